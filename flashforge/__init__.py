@@ -1,0 +1,7 @@
+"""flashforge: exact flash attention for PyTorch (Triton on GPUs, chunked PyTorch on CPUs)."""
+from ._version import __version__
+from . import reference
+from .api.attention import attention
+from .api.dropout import dropout_mask
+
+__all__ = ["__version__", "attention", "dropout_mask", "reference"]

@@ -1,0 +1,1 @@
+"""Public API layer: validation and the user-facing functions."""

@@ -1,0 +1,158 @@
+"""`flashforge.attention`: the public attention entry point."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from ..autograd.attention import attention_function
+from ..ops.params import AttnParams
+from .validate import (MAX_HEAD_DIM, MAX_SEED, check_backend, check_float, check_float_dtype, check_int,
+                       check_same_device, check_tensor, check_window, draw_seed)
+
+__all__ = ["attention"]
+
+
+def _as_bshd(name: str, x: torch.Tensor, rank: int) -> torch.Tensor:
+    """View the seed's layouts as BSHD: ``[S, D]`` -> ``[1, S, 1, D]``, ``[N, S, D]`` -> ``[N, S, 1, D]``."""
+    if rank == 2:
+        return x.unsqueeze(0).unsqueeze(2)
+    if rank == 3:
+        return x.unsqueeze(2)
+    return x
+
+
+def _normalise_mask(mask, q: torch.Tensor, rank: int, B: int, Hq: int, Sq: int, Sk: int) -> Optional[torch.Tensor]:
+    """Return the mask as a 4-D view ``[Bm, Hm, Sqm, Skm]`` with every dim 1 or full (never expanded)."""
+    if mask is None:
+        return None
+    check_tensor("mask", mask)
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise ValueError(f"mask has dtype {mask.dtype}; accepted: torch.bool (True = keep) or a float dtype (additive)")
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
+    # The logical score shape as the caller sees it, by input rank.
+    logical = {2: (Sq, Sk), 3: (B, Sq, Sk), 4: (B, Hq, Sq, Sk)}[rank]
+    if mask.dim() < 2 or mask.dim() > len(logical):
+        raise ValueError(f"mask has shape {tuple(mask.shape)}; it must have rank 2..{len(logical)} and broadcast "
+                         f"to the scores' shape {tuple(logical)}")
+    shape = (1,) * (len(logical) - mask.dim()) + tuple(mask.shape)
+    for have, want in zip(shape, logical):
+        if have != 1 and have != want:
+            raise ValueError(f"mask of shape {tuple(mask.shape)} is not broadcastable to the scores' shape "
+                             f"{tuple(logical)} (each dim must be 1 or equal)")
+    m = mask.reshape(shape)
+    if rank == 2:
+        m = m.reshape(1, 1, *shape)
+    elif rank == 3:
+        m = m.unsqueeze(1)
+    return m
+
+
+def _normalise_offset(causal_offset, q: torch.Tensor, B: int) -> tuple[int, Optional[torch.Tensor]]:
+    if isinstance(causal_offset, torch.Tensor):
+        if causal_offset.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"causal_offset tensor has dtype {causal_offset.dtype}; accepted: int32 or int64")
+        if causal_offset.shape != (B,):
+            raise ValueError(f"causal_offset tensor has shape {tuple(causal_offset.shape)}; accepted: [B] = [{B}]")
+        if causal_offset.device != q.device:
+            raise ValueError(f"causal_offset is on {causal_offset.device} but q is on {q.device}")
+        return 0, causal_offset.to(torch.int32).contiguous()
+    return check_int("causal_offset", causal_offset), None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              causal_offset: Union[int, torch.Tensor] = 0, window=None, mask: Optional[torch.Tensor] = None,
+              dropout_p: float = 0.0, seed: Optional[int] = None, scale: Optional[float] = None,
+              softcap: float = 0.0, deterministic: bool = False, return_lse: bool = False,
+              backend: Optional[str] = None, allow_tf32: bool = False):
+    """Exact (flash) attention.
+
+    Args:
+        q: ``[B, Sq, Hq, D]`` (or ``[S, D]``, or flat ``[N, S, D]`` = N independent heads).
+        k: ``[B, Sk, Hkv, D]``; ``Hq % Hkv == 0`` (grouped-query attention).
+        v: ``[B, Sk, Hkv, Dv]``.
+        causal: key j visible from query i iff ``j <= i + causal_offset`` (top-left by default).
+        causal_offset: int, or int32/int64 tensor ``[B]`` (per-sequence, e.g. KV-cache lengths).
+        window: None, int w (``|i + off - j| < w``) or ``(left, right)`` with -1 = unbounded;
+            with ``causal`` the right side is 0.
+        mask: bool (True = keep) or float (additive bias) tensor broadcastable to
+            ``[B, Hq, Sq, Sk]``; a float mask that requires grad gets its gradient.
+        dropout_p: probability in [0, 1) of dropping an attention weight (kept ones scale by 1/(1-p)).
+        seed: int in [0, 2**63) for the dropout mask; None draws one from torch's generator.
+        scale: score scale, default ``1/sqrt(D)``.
+        softcap: if > 0, ``score = softcap * tanh(score / softcap)`` before masking.
+        deterministic: bitwise-reproducible gradients.
+        return_lse: also return ``lse [B, Hq, Sq]`` (float32, natural log), differentiable.
+        backend: None (Triton for CUDA tensors, PyTorch on CPU), "triton" or "torch".
+        allow_tf32: float32 inputs may use TF32 tensor-core products (faster, ~1e-3 relative error).
+
+    Returns:
+        ``o [B, Sq, Hq, Dv]`` in q's dtype, or ``(o, lse)`` if ``return_lse``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+    rank = q.dim()
+    if rank not in (2, 3, 4):
+        raise ValueError(f"q has rank {rank} (shape {tuple(q.shape)}); accepted: [B, Sq, Hq, D], "
+                         f"[N, S, D] or [S, D]")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != rank:
+            raise ValueError(f"{name} has rank {t.dim()} (shape {tuple(t.shape)}) but q has rank {rank}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float_dtype(name, t)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_same_device(("q", "k", "v"), (q, k, v))
+
+    q4, k4, v4 = (_as_bshd(n, t, rank) for n, t in (("q", q), ("k", k), ("v", v)))
+    B, Sq, Hq, D = q4.shape
+    Bk, Sk, Hkv, Dk = k4.shape
+    Bv, Skv, Hv, Dv = v4.shape
+    if Bk != B or Bv != B:
+        raise ValueError(f"batch sizes differ: q has {B}, k has {Bk}, v has {Bv}")
+    if Skv != Sk:
+        raise ValueError(f"k and v must have the same sequence length; got {Sk} and {Skv}")
+    if Hv != Hkv:
+        raise ValueError(f"k and v must have the same number of heads; got {Hkv} and {Hv}")
+    if Dk != D:
+        raise ValueError(f"head_dim of q ({D}) and k ({Dk}) must match")
+    for name, d in (("head_dim of q/k", D), ("head_dim of v", Dv)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} is {d}; accepted: 1..{MAX_HEAD_DIM}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"num_heads ({Hq}) must be a multiple of num_kv_heads ({Hkv})")
+
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    offset, offset_tensor = _normalise_offset(causal_offset, q, B)
+    left, right = check_window(window)
+    if causal:
+        right = 0
+    mask4 = _normalise_mask(mask, q, rank, B, Hq, Sq, Sk)
+    dropout_p = check_float("dropout_p", dropout_p, minimum=0.0, below=1.0)
+    if dropout_p > 0.0:
+        seed = draw_seed() if seed is None else check_int("seed", seed, minimum=0, maximum=MAX_SEED - 1)
+    else:
+        seed = 0 if seed is None else check_int("seed", seed, minimum=0, maximum=MAX_SEED - 1)
+    scale = check_float("scale", scale, allow_none=True)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    softcap = check_float("softcap", softcap, minimum=0.0)
+    backend = check_backend(backend)
+    if backend is None:
+        backend = "triton" if q.device.type == "cuda" else "torch"
+
+    params = AttnParams(scale=scale, window_left=left, window_right=right, offset=offset,
+                        offset_tensor=offset_tensor, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                        deterministic=bool(deterministic), allow_tf32=bool(allow_tf32))
+    # only the last dim needs unit stride; copy once here otherwise
+    q4, k4, v4 = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (q4, k4, v4))
+    o, lse = attention_function(q4, k4, v4, mask4, params, backend)
+
+    if rank == 2:
+        o, lse = o[0, :, 0], lse[0, 0]
+    elif rank == 3:
+        o, lse = o[:, :, 0], lse[:, 0]
+    return (o, lse) if return_lse else o

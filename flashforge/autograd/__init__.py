@@ -1,0 +1,1 @@
+"""Autograd layer: ties the kernels' forward and backward together (ops < autograd < api)."""

@@ -1,0 +1,41 @@
+"""The normalised description of one attention call, shared by every backend.
+
+The public layer (`flashforge.api`) validates user input and folds the
+user-facing options into this one record, so the kernels see a single rule:
+key j is visible from query i iff
+
+    (left  < 0 or j >= i + offset - left) and
+    (right < 0 or j <= i + offset + right)
+
+Causal attention is simply ``right = 0``; the seed's integer window ``w`` is
+``(w - 1, w - 1)``.  ``offset`` is either a Python int (``offset``) or a
+per-batch int32 tensor ``[B]`` on the inputs' device (``offset_tensor``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttnParams:
+    scale: float
+    window_left: int = -1  # -1: unbounded on that side
+    window_right: int = -1  # -1: unbounded; causal is right = 0
+    offset: int = 0  # used when offset_tensor is None
+    offset_tensor: Optional[torch.Tensor] = None  # int32 [B], same device as q
+    softcap: float = 0.0  # 0: off
+    dropout_p: float = 0.0
+    seed: int = 0  # 0 <= seed < 2**63; only read when dropout_p > 0
+    deterministic: bool = False
+    allow_tf32: bool = False  # float32 inputs: full IEEE products unless opted in
+
+    @property
+    def has_window(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout_p > 0.0

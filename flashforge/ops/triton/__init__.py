@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers (imported only where triton is installed)."""

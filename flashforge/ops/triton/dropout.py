@@ -1,0 +1,24 @@
+"""Triton twin of `flashforge.ops.dropout`: the same keep-mask, one Philox call
+per four keys (the four output words are interleaved back into key order)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dropout_keep(seed, threshold, bh, offs_m, offs_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep-mask tile [BLOCK_M, BLOCK_N] for rows offs_m and keys offs_n.
+
+    offs_n must be BLOCK_N consecutive keys starting at a multiple of 4.
+    threshold is the uint32 keep threshold (passed as an int).
+    """
+    # counter c0 = j >> 2 for the tile's BLOCK_N // 4 groups of four keys
+    n0 = tl.min(offs_n, axis=0)
+    groups = (n0 >> 2) + tl.arange(0, BLOCK_N // 4)
+    c0 = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32) + groups.to(tl.uint32)[None, :]
+    c1 = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32) + offs_m.to(tl.uint32)[:, None]
+    c2 = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32) + bh.to(tl.uint32)
+    c3 = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
+    # join(join(r0, r2), join(r1, r3))[..., a, b] = r_{2a + b}: key 4g + 2a + b
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK_M, BLOCK_N])
+    return words >= threshold.to(tl.uint32)
