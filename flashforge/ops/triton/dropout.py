@@ -16,7 +16,7 @@ def dropout_keep(seed, threshold, bh, offs_m, offs_n, BLOCK_M: tl.constexpr, BLO
     groups = (n0 >> 2) + tl.arange(0, BLOCK_N // 4)
     c0 = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32) + groups.to(tl.uint32)[None, :]
     c1 = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32) + offs_m.to(tl.uint32)[:, None]
-    c2 = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32) + bh.to(tl.uint32)
+    c2 = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32) + tl.cast(bh, tl.uint32)
     c3 = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32)
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
     # join(join(r0, r2), join(r1, r3))[..., a, b] = r_{2a + b}: key 4g + 2a + b

@@ -1,0 +1,132 @@
+"""Launchers for the Triton attention kernels: take tensors, compute grids.
+
+Same interface as `flashforge.ops.attention_torch` (the autograd layer picks
+one of the two modules).  Inputs are BSHD with unit last-dim stride; the mask
+is a 4-D view whose size-1 dims broadcast (passed with stride 0).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+
+from ..dropout import keep_threshold
+from ..params import AttnParams
+from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bwd_dq_kernel,
+                            attn_bwd_preprocess_kernel)
+from .attention_fwd import attn_fwd_kernel
+from .configs import get_config, head_dim_block
+
+
+def _interpreting(q: torch.Tensor) -> bool:
+    if q.device.type == "cuda":
+        return False
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend='triton' got tensors on {q.device}; the Triton kernels run on CUDA GPUs, "
+                         f"or on the CPU under the interpreter (set TRITON_INTERPRET=1 before importing triton)")
+    return True
+
+
+def _mask_args(mask: Optional[torch.Tensor], q: torch.Tensor):
+    """(tensor, 4 strides, is_bool): size-1 dims get stride 0 so they broadcast."""
+    if mask is None:
+        return q, (0, 0, 0, 0), False
+    strides = tuple(0 if n == 1 else s for n, s in zip(mask.shape, mask.stride()))
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8), strides, True
+    return mask, strides, False
+
+
+def _common_args(q, params: AttnParams):
+    """Scalar arguments and constexpr flags shared by every attention kernel."""
+    per_batch = params.offset_tensor is not None
+    offsets = params.offset_tensor if per_batch else q
+    scalars = (params.scale, params.softcap if params.softcap > 0 else 1.0, params.offset,
+               params.window_left, params.window_right, params.seed, keep_threshold(params.dropout_p),
+               1.0 / (1.0 - params.dropout_p))
+    flags = dict(HAS_WL=params.window_left >= 0, HAS_WR=params.window_right >= 0,
+                 OFFSET_PER_BATCH=per_batch, HAS_SOFTCAP=params.softcap > 0,
+                 HAS_DROPOUT=params.dropout_p > 0,
+                 DOT_PRECISION="tf32" if params.allow_tf32 or q.dtype != torch.float32 else "ieee")
+    return offsets, scalars, flags
+
+
+def _bshd_strides(x: torch.Tensor):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def attention_forward(q, k, v, mask, params: AttnParams):
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    interpret = _interpreting(q)
+    o = torch.empty(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret)
+    mask_t, m_strides, mask_bool = _mask_args(mask, q)
+    offsets, scalars, flags = _common_args(q, params)
+    grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+    attn_fwd_kernel[grid](
+        q, k, v, o, lse, mask_t, offsets,
+        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(o), *m_strides,
+        Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
+        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim_block(D), BLOCK_DV=head_dim_block(Dv),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return o, lse
+
+
+def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dmask: bool):
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    interpret = _interpreting(q)
+    cfg = get_config("bwd", max(D, Dv), q.element_size(), interpret)
+    BD, BDV = head_dim_block(D), head_dim_block(Dv)
+    mask_t, m_strides, mask_bool = _mask_args(mask, q)
+    offsets, scalars, flags = _common_args(q, params)
+    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    attn_bwd_preprocess_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
+        o, do, dlse if dlse is not None else delta, delta,
+        *_bshd_strides(o), *_bshd_strides(do), Hq, Sq, Dv,
+        HAS_DLSE=dlse is not None, BLOCK_M=cfg.block_m, BLOCK_DV=BDV,
+    )
+
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, mask_t, offsets,
+        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
+        *_bshd_strides(dk), *_bshd_strides(dv), *m_strides,
+        Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
+        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles,
+    )
+    attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
+        q, k, v, do, lse, delta, dq, mask_t, offsets,
+        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
+        *_bshd_strides(dq), *m_strides,
+        Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
+        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles,
+    )
+
+    dmask = None
+    if need_dmask:
+        Bm, Hm, Sqm, Skm = mask.shape
+        dmask = torch.empty(Bm, Hm, Sqm, Skm, dtype=torch.float32, device=q.device)
+        m_bcast, n_bcast = Sqm == 1 and Sq > 1, Skm == 1 and Sk > 1
+        grid = (triton.cdiv(Sqm, cfg.block_m), triton.cdiv(Skm, cfg.block_n), Bm * Hm)
+        attn_bwd_dmask_kernel[grid](
+            q, k, v, do, lse, delta, dmask, mask_t, offsets,
+            *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
+            *m_strides, *dmask.stride(),
+            B, Hq, Sq, Sk, D, Dv, Hq // Hkv, Hm, Sqm, Skm, *scalars,
+            MASK_BOOL=mask_bool, **flags,
+            B_BCAST=Bm == 1 and B > 1, H_BCAST=Hm == 1 and Hq > 1, M_BCAST=m_bcast, N_BCAST=n_bcast,
+            OUT_M=1 if m_bcast else cfg.block_m, OUT_N=1 if n_bcast else cfg.block_n, **tiles,
+        )
+    return dq, dk, dv, dmask

@@ -1,0 +1,299 @@
+"""Attention backward kernels (FA2 split, no atomics, so always deterministic).
+
+- `attn_bwd_preprocess_kernel`: delta_i = rowsum(o_i * do_i) - dlse_i.
+  (The lse gradient adds dlse_i * P_ij to dS_ij, i.e. it shifts delta.)
+- `attn_bwd_dkdv_kernel`: one program per (key block, batch * kv head); loops
+  over the query heads of its group and the query blocks that see the keys,
+  so dK/dV are summed over the group in registers.
+- `attn_bwd_dq_kernel`: one program per (query block, batch * query head).
+- `attn_bwd_dmask_kernel`: one program per tile of the mask's own shape; loops
+  over the dims the mask broadcasts over, so dmask is reduced in a fixed order.
+
+All recompute P = exp(score - lse) with the forward's `score_tile`, and
+dS = P * (dP' - delta) where dP' is dO V^T with the dropout mask applied.
+"""
+import triton
+import triton.language as tl
+
+from .common import LOG2E, query_range, key_range, score_tile
+from .dropout import dropout_keep
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    O, DO, DLSE, DELTA,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    Hq, Sq, DV,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = bh % Hq
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_io = (o_m[:, None] < Sq) & (o_dv[None, :] < DV)
+    # [BM, BDV]
+    b_o = tl.load(O + b * stride_ob + h * stride_oh + o_m[:, None].to(tl.int64) * stride_os + o_dv[None, :],
+                  mask=m_io, other=0.0).to(tl.float32)
+    b_do = tl.load(DO + b * stride_dob + h * stride_doh + o_m[:, None].to(tl.int64) * stride_dos + o_dv[None, :],
+                   mask=m_io, other=0.0).to(tl.float32)
+    delta = tl.sum(b_o * b_do, axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh.to(tl.int64) * Sq + o_m, mask=o_m < Sq, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * Sq + o_m, delta, mask=o_m < Sq)
+
+
+@triton.jit
+def _ds_tile(b_q, b_kt, b_do, b_vt, lse2, delta, o_m, o_n, b, h, bh, Sq, Sk, off, win_left, win_right,
+             scale, softcap, seed, drop_threshold, drop_scale,
+             MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+             HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Recompute one [BM, BN] tile: returns (P' = dropped P scaled, dS w.r.t. the score,
+    dS w.r.t. the raw product <q, k> divided by scale)."""
+    qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
+    s2, t = score_tile(qk, o_m, o_n, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
+                       MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                       HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP)
+    p = tl.exp2(s2 - lse2[:, None])  # [BM, BN]
+    dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)  # [BM, BN]
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, drop_threshold, bh, o_m, o_n, BLOCK_M, BLOCK_N)
+        p_drop = tl.where(keep, p * drop_scale, 0.0)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
+    else:
+        p_drop = p
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds_raw = ds * (1.0 - t * t)
+    else:
+        ds_raw = ds
+    return p_drop, ds, ds_raw
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, bh, o_m, Sq):
+    bh = tl.cast(bh, tl.int64)
+    lse = tl.load(LSE + bh * Sq + o_m, mask=o_m < Sq, other=0.0)
+    # fully masked rows (lse = -inf) have every score -inf: shift by 0 so P = 0, not NaN
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    delta = tl.load(DELTA + bh * Sq + o_m, mask=o_m < Sq, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    Hq, Hkv, Sq, Sk, D, DV, GROUP,
+    scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    b64 = b.to(tl.int64)
+    n_start = pid_n * BLOCK_N
+    o_n = n_start + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    if OFFSET_PER_BATCH:
+        off = tl.load(OFFSETS + b)
+    else:
+        off = offset
+
+    m_kd = (o_n[None, :] < Sk) & (o_d[:, None] < D)
+    m_vd = (o_n[None, :] < Sk) & (o_dv[:, None] < DV)
+    # K^T [BD, BN], V^T [BDV, BN]
+    b_kt = tl.load(K + b64 * stride_kb + hk * stride_kh + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None],
+                   mask=m_kd, other=0.0)
+    b_vt = tl.load(V + b64 * stride_vb + hk * stride_vh + o_n[None, :].to(tl.int64) * stride_vs + o_dv[:, None],
+                   mask=m_vd, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    lo, hi = query_range(n_start, off, win_left, win_right, Sq, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * Hq + h
+        p_q = Q + b64 * stride_qb + h * stride_qh
+        p_do = DO + b64 * stride_dob + h * stride_doh
+        for m_start in range(lo, hi, BLOCK_M):
+            o_m = m_start + tl.arange(0, BLOCK_M)
+            # [BM, BD], [BM, BDV]
+            b_q = tl.load(p_q + o_m[:, None].to(tl.int64) * stride_qs + o_d[None, :],
+                          mask=(o_m[:, None] < Sq) & (o_d[None, :] < D), other=0.0)
+            b_do = tl.load(p_do + o_m[:, None].to(tl.int64) * stride_dos + o_dv[None, :],
+                           mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV), other=0.0)
+            lse2, delta = _load_row_stats(LSE, DELTA, bh, o_m, Sq)
+            p_drop, ds, ds_raw = _ds_tile(b_q, b_kt, b_do, b_vt, lse2, delta, o_m, o_n, b, h, bh, Sq, Sk, off,
+                                          win_left, win_right, scale, softcap, seed, drop_threshold, drop_scale,
+                                          MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                          HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
+                                          DOT_PRECISION, BLOCK_M, BLOCK_N)
+            # [BN, BDV] += P'^T dO ; [BN, BD] += dS^T Q
+            dv += tl.dot(tl.trans(p_drop.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
+            dk += tl.dot(tl.trans(ds_raw.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION)
+
+    dk *= scale
+    m_nd = (o_n[:, None] < Sk) & (o_d[None, :] < D)
+    m_ndv = (o_n[:, None] < Sk) & (o_dv[None, :] < DV)
+    tl.store(DK + b64 * stride_dkb + hk * stride_dkh + o_n[:, None].to(tl.int64) * stride_dks + o_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=m_nd)
+    tl.store(DV_OUT + b64 * stride_dvb + hk * stride_dvh + o_n[:, None].to(tl.int64) * stride_dvs + o_dv[None, :],
+             dv.to(DV_OUT.dtype.element_ty), mask=m_ndv)
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, OFFSETS,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    Hq, Sq, Sk, D, DV, GROUP,
+    scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP
+    b64 = b.to(tl.int64)
+    m_start = pid_m * BLOCK_M
+    o_m = m_start + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    if OFFSET_PER_BATCH:
+        off = tl.load(OFFSETS + b)
+    else:
+        off = offset
+
+    m_qd = (o_m[:, None] < Sq) & (o_d[None, :] < D)
+    # [BM, BD], [BM, BDV]
+    b_q = tl.load(Q + b64 * stride_qb + h * stride_qh + o_m[:, None].to(tl.int64) * stride_qs + o_d[None, :],
+                  mask=m_qd, other=0.0)
+    b_do = tl.load(DO + b64 * stride_dob + h * stride_doh + o_m[:, None].to(tl.int64) * stride_dos + o_dv[None, :],
+                   mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV), other=0.0)
+    lse2, delta = _load_row_stats(LSE, DELTA, bh, o_m, Sq)
+    K += b64 * stride_kb + hk * stride_kh
+    V += b64 * stride_vb + hk * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, hi = key_range(m_start, off, win_left, win_right, Sk, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
+    for n_start in range(lo, hi, BLOCK_N):
+        o_n = n_start + tl.arange(0, BLOCK_N)
+        # K^T [BD, BN], V^T [BDV, BN]
+        b_kt = tl.load(K + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None],
+                       mask=(o_n[None, :] < Sk) & (o_d[:, None] < D), other=0.0)
+        b_vt = tl.load(V + o_n[None, :].to(tl.int64) * stride_vs + o_dv[:, None],
+                       mask=(o_n[None, :] < Sk) & (o_dv[:, None] < DV), other=0.0)
+        _, _, ds_raw = _ds_tile(b_q, b_kt, b_do, b_vt, lse2, delta, o_m, o_n, b, h, bh, Sq, Sk, off,
+                                win_left, win_right, scale, softcap, seed, drop_threshold, drop_scale,
+                                MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
+                                DOT_PRECISION, BLOCK_M, BLOCK_N)
+        # [BM, BD] += dS K
+        dq += tl.dot(ds_raw.to(b_kt.dtype), tl.trans(b_kt), input_precision=DOT_PRECISION)
+
+    dq *= scale
+    tl.store(DQ + b64 * stride_dqb + h * stride_dqh + o_m[:, None].to(tl.int64) * stride_dqs + o_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=m_qd)
+
+
+@triton.jit
+def attn_bwd_dmask_kernel(
+    Q, K, V, DO, LSE, DELTA, DMASK, MASK, OFFSETS,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_gb, stride_gh, stride_gm, stride_gn,
+    B, Hq, Sq, Sk, D, DV, GROUP, Hm, Sqm, Skm,
+    scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
+    MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    B_BCAST: tl.constexpr, H_BCAST: tl.constexpr, M_BCAST: tl.constexpr, N_BCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    OUT_M: tl.constexpr, OUT_N: tl.constexpr,
+):
+    """dmask[bm, hm, i, j] = sum of dS over the (b, h, i, j) that broadcast onto it."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bhm = tl.program_id(2)
+    bm = bhm // Hm
+    hm = bhm % Hm
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    # ranges over the broadcast dims; a full-size dim is a range of one
+    b_lo = 0 if B_BCAST else bm
+    b_hi = B if B_BCAST else bm + 1
+    h_lo = 0 if H_BCAST else hm
+    h_hi = Hq if H_BCAST else hm + 1
+    m_lo = 0 if M_BCAST else pid_m * BLOCK_M
+    m_hi = Sq if M_BCAST else pid_m * BLOCK_M + 1
+    n_lo = 0 if N_BCAST else pid_n * BLOCK_N
+    n_hi = Sk if N_BCAST else pid_n * BLOCK_N + 1
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for b in range(b_lo, b_hi):
+        b64 = tl.cast(b, tl.int64)
+        if OFFSET_PER_BATCH:
+            off = tl.load(OFFSETS + b)
+        else:
+            off = offset
+        for h in range(h_lo, h_hi):
+            hk = h // GROUP
+            bh = b * Hq + h
+            for m_start in range(m_lo, m_hi, BLOCK_M):
+                o_m = m_start + tl.arange(0, BLOCK_M)
+                b_q = tl.load(Q + b64 * stride_qb + h * stride_qh + o_m[:, None].to(tl.int64) * stride_qs
+                              + o_d[None, :], mask=(o_m[:, None] < Sq) & (o_d[None, :] < D), other=0.0)
+                b_do = tl.load(DO + b64 * stride_dob + h * stride_doh + o_m[:, None].to(tl.int64) * stride_dos
+                               + o_dv[None, :], mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV), other=0.0)
+                lse2, delta = _load_row_stats(LSE, DELTA, bh, o_m, Sq)
+                for n_start in range(n_lo, n_hi, BLOCK_N):
+                    o_n = n_start + tl.arange(0, BLOCK_N)
+                    b_kt = tl.load(K + b64 * stride_kb + hk * stride_kh + o_n[None, :].to(tl.int64) * stride_ks
+                                   + o_d[:, None], mask=(o_n[None, :] < Sk) & (o_d[:, None] < D), other=0.0)
+                    b_vt = tl.load(V + b64 * stride_vb + hk * stride_vh + o_n[None, :].to(tl.int64) * stride_vs
+                                   + o_dv[:, None], mask=(o_n[None, :] < Sk) & (o_dv[:, None] < DV), other=0.0)
+                    _, ds, _ = _ds_tile(b_q, b_kt, b_do, b_vt, lse2, delta, o_m, o_n, b, h, bh, Sq, Sk, off,
+                                        win_left, win_right, scale, softcap, seed, drop_threshold, drop_scale,
+                                        MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                        True, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
+                                        DOT_PRECISION, BLOCK_M, BLOCK_N)
+                    acc += ds
+
+    # reduce the tile over broadcast rows / columns; such a dim has size 1 in dmask
+    if M_BCAST:
+        acc = tl.sum(acc, axis=0)[None, :]
+    if N_BCAST:
+        acc = tl.sum(acc, axis=1)[:, None]
+    # OUT_M / OUT_N: 1 for a broadcast dim, else the block size
+    o_gm = pid_m * BLOCK_M + tl.arange(0, OUT_M)
+    o_gn = pid_n * BLOCK_N + tl.arange(0, OUT_N)
+    p_g = (DMASK + tl.cast(bm, tl.int64) * stride_gb + hm * stride_gh + o_gm[:, None].to(tl.int64) * stride_gm
+           + o_gn[None, :] * stride_gn)
+    tl.store(p_g, acc, mask=(o_gm[:, None] < Sqm) & (o_gn[None, :] < Skm))

@@ -1,0 +1,88 @@
+"""Attention forward kernel (FA2 online softmax): writes o and lse.
+
+One program per (query block, batch * query head).  Every feature is a
+constexpr flag of this one kernel.
+"""
+import triton
+import triton.language as tl
+
+from .common import LN2, key_range, score_tile
+from .dropout import dropout_keep
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, MASK, OFFSETS,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    Hq, Sq, Sk, D, DV, GROUP,
+    scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+    OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // GROUP
+    b64 = b.to(tl.int64)
+
+    m_start = pid_m * BLOCK_M
+    o_m = m_start + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    if OFFSET_PER_BATCH:
+        off = tl.load(OFFSETS + b)
+    else:
+        off = offset
+
+    # [BM, BD]
+    p_q = Q + b64 * stride_qb + h * stride_qh + o_m[:, None].to(tl.int64) * stride_qs + o_d[None, :]
+    b_q = tl.load(p_q, mask=(o_m[:, None] < Sq) & (o_d[None, :] < D), other=0.0)
+    K += b64 * stride_kb + hk * stride_kh
+    V += b64 * stride_vb + hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    lo, hi = key_range(m_start, off, win_left, win_right, Sk, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
+    for n_start in range(lo, hi, BLOCK_N):
+        o_n = n_start + tl.arange(0, BLOCK_N)
+        # [BD, BN]
+        b_kt = tl.load(K + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None],
+                       mask=(o_n[None, :] < Sk) & (o_d[:, None] < D), other=0.0)
+        # [BM, BN]
+        qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
+        s2, _ = score_tile(qk, o_m, o_n, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
+                           MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP)
+        m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+        # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s2 - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if HAS_DROPOUT:
+            # the softmax normaliser counts every weight; dropout only zeroes the numerator
+            keep = dropout_keep(seed, drop_threshold, bh, o_m, o_n, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
+        # [BN, BDV]
+        b_v = tl.load(V + o_n[:, None].to(tl.int64) * stride_vs + o_dv[None, :],
+                      mask=(o_n[:, None] < Sk) & (o_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0  # fully masked row: o = 0, lse = -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc * (drop_scale / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+
+    p_o = O + b64 * stride_ob + h * stride_oh + o_m[:, None].to(tl.int64) * stride_os + o_dv[None, :]
+    tl.store(p_o, acc.to(O.dtype.element_ty), mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV))
+    tl.store(LSE + bh.to(tl.int64) * Sq + o_m, lse, mask=o_m < Sq)

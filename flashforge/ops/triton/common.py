@@ -1,0 +1,85 @@
+"""Pieces shared by the attention kernels: the score rule and the tile ranges.
+
+Scores are kept in log2 units (``s2 = score * log2(e)``) so the softmax uses
+``exp2``; lse is stored in natural log.  One helper computes the score tile for
+forward and backward alike, so the two can never disagree on what is visible.
+"""
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def tanh(x):
+    # tl has no tanh that also runs in the interpreter; this form saturates
+    # cleanly at +-1 for large |x| (exp2 overflows to inf, 2/inf = 0).
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def score_tile(qk, offs_m, offs_n, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
+               MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+               HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr,
+               HAS_WR: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Scores in log2 units for the tile qk = <q_i, k_j> [BM, BN] (float32).
+
+    Returns (s2, t): s2 is -inf wherever key j is invisible from query i (out of
+    range, masked, outside the window); t = tanh(scale * qk / softcap) for the
+    softcap gradient (equal to s2 when softcap is off, unused then).
+    """
+    if HAS_SOFTCAP:
+        t = tanh(qk * (scale / softcap))
+        s2 = t * (softcap * LOG2E)
+    else:
+        s2 = qk * (scale * LOG2E)
+        t = s2
+    m_in = (offs_m[:, None] < Sq) & (offs_n[None, :] < Sk)  # [BM, BN]
+    if HAS_MASK:
+        p_mask = (MASK + tl.cast(b, tl.int64) * stride_mb + h * stride_mh
+                  + offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :] * stride_mn)
+        if MASK_BOOL:
+            keep = tl.load(p_mask, mask=m_in, other=0)
+            m_in = m_in & (keep != 0)
+        else:
+            bias = tl.load(p_mask, mask=m_in, other=0.0).to(tl.float32)
+            s2 = s2 + bias * LOG2E
+    # absolute query position i + off against key j
+    pos = offs_m[:, None] + off
+    if HAS_WR:
+        m_in = m_in & (offs_n[None, :] <= pos + win_right)
+    if HAS_WL:
+        m_in = m_in & (offs_n[None, :] >= pos - win_left)
+    s2 = tl.where(m_in, s2, float("-inf"))
+    return s2, t
+
+
+@triton.jit
+def key_range(m_start, off, win_left, win_right, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):
+    """Keys [lo, hi) that any of the queries m_start .. m_start+BLOCK_M-1 can see;
+    lo is aligned to BLOCK_N (dropout draws keys in aligned groups of four)."""
+    lo = 0
+    hi = Sk
+    if HAS_WR:
+        hi = tl.minimum(hi, m_start + BLOCK_M + off + win_right)
+    if HAS_WL:
+        lo = tl.maximum(lo, m_start + off - win_left)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def query_range(n_start, off, win_left, win_right, Sq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):
+    """Queries [lo, hi) that can see any of the keys n_start .. n_start+BLOCK_N-1;
+    lo is aligned to BLOCK_M."""
+    lo = 0
+    hi = Sq
+    if HAS_WR:
+        lo = tl.maximum(lo, n_start - off - win_right)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_WL:
+        hi = tl.minimum(hi, n_start + BLOCK_N - off + win_left)
+    return lo, hi

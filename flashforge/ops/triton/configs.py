@@ -1,0 +1,60 @@
+"""Tile configurations for the attention kernels, in one table.
+
+Keyed by (pass, head-dim bucket, element size); the interpreter (CPU tensors)
+uses small tiles because it runs each program as numpy code.  Override a
+choice by editing the table or with `set_config` (benchmarks sweep this way).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# (pass, head-dim bucket, bytes per element) -> config, for CUDA GPUs
+_TABLE: dict[tuple[str, int, int], TileConfig] = {
+    ("fwd", 64, 2): TileConfig(128, 64, 4, 3),
+    ("fwd", 128, 2): TileConfig(128, 64, 8, 3),
+    ("fwd", 256, 2): TileConfig(64, 32, 4, 2),
+    ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
+    ("fwd", 128, 4): TileConfig(64, 32, 4, 2),
+    ("fwd", 256, 4): TileConfig(32, 32, 4, 1),
+    ("bwd", 64, 2): TileConfig(64, 64, 4, 2),
+    ("bwd", 128, 2): TileConfig(64, 64, 8, 2),
+    ("bwd", 256, 2): TileConfig(32, 32, 4, 1),
+    ("bwd", 64, 4): TileConfig(32, 32, 4, 2),
+    ("bwd", 128, 4): TileConfig(32, 32, 4, 1),
+    ("bwd", 256, 4): TileConfig(16, 16, 4, 1),
+}
+_INTERPRETER = TileConfig(16, 16, 1, 1)
+_overrides: dict[tuple[str, int, int], TileConfig] = {}
+
+
+def head_dim_block(d: int) -> int:
+    """Padded head dim: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool) -> TileConfig:
+    if interpret:
+        return _INTERPRETER
+    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    key = (kind, bucket, elem_size)
+    return _overrides.get(key, _TABLE[key])
+
+
+def set_config(kind: str, head_dim_bucket: int, elem_size: int, config: TileConfig | None) -> None:
+    """Override (or with None, restore) one table entry."""
+    key = (kind, head_dim_bucket, elem_size)
+    if config is None:
+        _overrides.pop(key, None)
+    else:
+        _overrides[key] = config
