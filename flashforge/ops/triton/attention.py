@@ -53,6 +53,13 @@ def _common_args(q, params: AttnParams):
     return offsets, scalars, flags
 
 
+def _padded(D: int, Dv: int) -> int:
+    # One padded width for q/k and v: on sm90, bf16/fp16 kernels whose two
+    # widths differ (e.g. 64 and 32 for D=40, Dv=24) gave wrong o and dq/dk
+    # while fp32 was right, so both are padded to the larger.
+    return head_dim_block(max(D, Dv))
+
+
 def _bshd_strides(x: torch.Tensor):
     return x.stride(0), x.stride(1), x.stride(2)
 
@@ -72,7 +79,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
         *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(o), *m_strides,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=head_dim_block(D), BLOCK_DV=head_dim_block(Dv),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse
@@ -83,7 +90,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     interpret = _interpreting(q)
     cfg = get_config("bwd", max(D, Dv), q.element_size(), interpret)
-    BD, BDV = head_dim_block(D), head_dim_block(Dv)
+    BD = BDV = _padded(D, Dv)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     offsets, scalars, flags = _common_args(q, params)
     tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
