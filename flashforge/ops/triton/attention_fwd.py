@@ -6,8 +6,50 @@ constexpr flag of this one kernel.
 import triton
 import triton.language as tl
 
-from .common import LN2, key_range, score_tile
+from .common import LN2, full_key_range, key_range, score_tile
 from .dropout import dropout_keep
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, b_q, K, V, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+               stride_ks, stride_vs, scale, softcap, win_left, win_right, seed, drop_threshold,
+               MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+               HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online-softmax update over the key tiles [n_lo, n_hi).  CHECK=False: the
+    tiles are known to be in range and inside the window for every query."""
+    for n_start in range(n_lo, n_hi, BLOCK_N):
+        o_n = n_start + tl.arange(0, BLOCK_N)
+        if CHECK:
+            m_kt = (o_n[None, :] < Sk) & (o_d[:, None] < D)
+            m_v = (o_n[:, None] < Sk) & (o_dv[None, :] < DV)
+        else:
+            m_kt = o_d[:, None] < D
+            m_v = o_dv[None, :] < DV
+        # [BD, BN]
+        b_kt = tl.load(K + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None], mask=m_kt, other=0.0)
+        # [BM, BN]
+        qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
+        s2, _ = score_tile(qk, o_m, o_n, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
+                           MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, CHECK)
+        m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+        # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s2 - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if HAS_DROPOUT:
+            # the softmax normaliser counts every weight; dropout only zeroes the numerator
+            keep = dropout_keep(seed, drop_threshold, bh, o_m, o_n, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
+        # [BN, BDV]
+        b_v = tl.load(V + o_n[:, None].to(tl.int64) * stride_vs + o_dv[None, :], mask=m_v, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -18,7 +60,7 @@ def attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    Hq, Sq, Sk, D, DV, GROUP,
+    Hq, Sq, Sk, D: tl.constexpr, DV: tl.constexpr, GROUP,
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -51,32 +93,25 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
+    # key tiles: [lo, full_lo) and [full_hi, hi) need the range/window test, the rest do not
     lo, hi = key_range(m_start, off, win_left, win_right, Sk, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
-    for n_start in range(lo, hi, BLOCK_N):
-        o_n = n_start + tl.arange(0, BLOCK_N)
-        # [BD, BN]
-        b_kt = tl.load(K + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None],
-                       mask=(o_n[None, :] < Sk) & (o_d[:, None] < D), other=0.0)
-        # [BM, BN]
-        qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
-        s2, _ = score_tile(qk, o_m, o_n, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
-                           MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP)
-        m_new = tl.maximum(m_i, tl.max(s2, axis=1))
-        # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s2 - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if HAS_DROPOUT:
-            # the softmax normaliser counts every weight; dropout only zeroes the numerator
-            keep = dropout_keep(seed, drop_threshold, bh, o_m, o_n, BLOCK_M, BLOCK_N)
-            p = tl.where(keep, p, 0.0)
-        # [BN, BDV]
-        b_v = tl.load(V + o_n[:, None].to(tl.int64) * stride_vs + o_dv[None, :],
-                      mask=(o_n[:, None] < Sk) & (o_dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    full_lo, full_hi = full_key_range(m_start, off, win_left, win_right, Sk, lo, hi, BLOCK_M, BLOCK_N,
+                                      HAS_WL, HAS_WR)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                               stride_ks, stride_vs, scale, softcap, win_left, win_right, seed, drop_threshold,
+                               MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                               HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION,
+                               D, DV, False, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, lo, full_lo, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                               stride_ks, stride_vs, scale, softcap, win_left, win_right, seed, drop_threshold,
+                               MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                               HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION,
+                               D, DV, True, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, full_hi, hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                               stride_ks, stride_vs, scale, softcap, win_left, win_right, seed, drop_threshold,
+                               MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                               HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION,
+                               D, DV, True, BLOCK_M, BLOCK_N)
 
     empty = l_i == 0.0  # fully masked row: o = 0, lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)

@@ -22,12 +22,14 @@ def tanh(x):
 def score_tile(qk, offs_m, offs_n, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
                MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr,
-               HAS_WR: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+               HAS_WR: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CHECK: tl.constexpr = True):
     """Scores in log2 units for the tile qk = <q_i, k_j> [BM, BN] (float32).
 
     Returns (s2, t): s2 is -inf wherever key j is invisible from query i (out of
     range, masked, outside the window); t = tanh(scale * qk / softcap) for the
     softcap gradient (equal to s2 when softcap is off, unused then).
+    CHECK=False skips the range and window tests, for tiles known to lie inside
+    both (see `full_key_range`); a user mask is always applied.
     """
     if HAS_SOFTCAP:
         t = tanh(qk * (scale / softcap))
@@ -41,17 +43,18 @@ def score_tile(qk, offs_m, offs_n, b, h, Sq, Sk, off, win_left, win_right, scale
                   + offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :] * stride_mn)
         if MASK_BOOL:
             keep = tl.load(p_mask, mask=m_in, other=0)
-            m_in = m_in & (keep != 0)
+            s2 = tl.where(keep != 0, s2, float("-inf"))
         else:
             bias = tl.load(p_mask, mask=m_in, other=0.0).to(tl.float32)
             s2 = s2 + bias * LOG2E
-    # absolute query position i + off against key j
-    pos = offs_m[:, None] + off
-    if HAS_WR:
-        m_in = m_in & (offs_n[None, :] <= pos + win_right)
-    if HAS_WL:
-        m_in = m_in & (offs_n[None, :] >= pos - win_left)
-    s2 = tl.where(m_in, s2, float("-inf"))
+    if CHECK:
+        # absolute query position i + off against key j
+        pos = offs_m[:, None] + off
+        if HAS_WR:
+            m_in = m_in & (offs_n[None, :] <= pos + win_right)
+        if HAS_WL:
+            m_in = m_in & (offs_n[None, :] >= pos - win_left)
+        s2 = tl.where(m_in, s2, float("-inf"))
     return s2, t
 
 
@@ -68,6 +71,26 @@ def key_range(m_start, off, win_left, win_right, Sk, BLOCK_M: tl.constexpr, BLOC
         lo = tl.maximum(lo, m_start + off - win_left)
         lo = (lo // BLOCK_N) * BLOCK_N
     return lo, hi
+
+
+@triton.jit
+def full_key_range(m_start, off, win_left, win_right, Sk, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):
+    """The tiles of [lo, hi) (lo aligned to BLOCK_N) that every query of the block
+    sees in full: keys [full_lo, full_hi), both on tile boundaries.  Tiles there
+    need no range or window test (about a fifth of a tile's arithmetic)."""
+    full_hi = (Sk // BLOCK_N) * BLOCK_N
+    if HAS_WR:
+        # the first query of the block sees keys up to m_start + off + win_right
+        full_hi = tl.minimum(full_hi, (tl.maximum(m_start + off + win_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    full_lo = lo
+    if HAS_WL:
+        # the last query of the block sees keys from m_start + BLOCK_M - 1 + off - win_left
+        first = tl.maximum(m_start + BLOCK_M - 1 + off - win_left, 0)
+        full_lo = tl.maximum(full_lo, ((first + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return full_lo, full_hi
 
 
 @triton.jit
