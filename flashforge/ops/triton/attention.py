@@ -89,36 +89,39 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     B, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     interpret = _interpreting(q)
-    cfg = get_config("bwd", max(D, Dv), q.element_size(), interpret)
-    BD = BDV = _padded(D, Dv)
+    cfg_kv = get_config("bwd_kv", max(D, Dv), q.element_size(), interpret)
+    cfg_q = get_config("bwd_q", max(D, Dv), q.element_size(), interpret)
+    BD = _padded(D, Dv)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     offsets, scalars, flags = _common_args(q, params)
-    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BD, BLOCK_DV=BDV,
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def tiles(cfg):
+        return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BD, BLOCK_DV=BD,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
-    attn_bwd_preprocess_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
+    attn_bwd_preprocess_kernel[(triton.cdiv(Sq, cfg_q.block_m), B * Hq)](
         o, do, dlse if dlse is not None else delta, delta,
         *_bshd_strides(o), *_bshd_strides(do), Hq, Sq, Dv,
-        HAS_DLSE=dlse is not None, BLOCK_M=cfg.block_m, BLOCK_DV=BDV,
+        HAS_DLSE=dlse is not None, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
     )
 
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+    attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg_kv.block_n), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, mask_t, offsets,
         *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
         *_bshd_strides(dk), *_bshd_strides(dv), *m_strides,
         Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
-        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles,
+        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv),
     )
-    attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m), B * Hq)](
+    attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg_q.block_m), B * Hq)](
         q, k, v, do, lse, delta, dq, mask_t, offsets,
         *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
         *_bshd_strides(dq), *m_strides,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
-        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles,
+        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_q),
     )
 
     dmask = None
@@ -126,7 +129,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         Bm, Hm, Sqm, Skm = mask.shape
         dmask = torch.empty(Bm, Hm, Sqm, Skm, dtype=torch.float32, device=q.device)
         m_bcast, n_bcast = Sqm == 1 and Sq > 1, Skm == 1 and Sk > 1
-        grid = (triton.cdiv(Sqm, cfg.block_m), triton.cdiv(Skm, cfg.block_n), Bm * Hm)
+        grid = (triton.cdiv(Sqm, cfg_q.block_m), triton.cdiv(Skm, cfg_q.block_n), Bm * Hm)
         attn_bwd_dmask_kernel[grid](
             q, k, v, do, lse, delta, dmask, mask_t, offsets,
             *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
@@ -134,6 +137,6 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
             B, Hq, Sq, Sk, D, Dv, Hq // Hkv, Hm, Sqm, Skm, *scalars,
             MASK_BOOL=mask_bool, **flags,
             B_BCAST=Bm == 1 and B > 1, H_BCAST=Hm == 1 and Hq > 1, M_BCAST=m_bcast, N_BCAST=n_bcast,
-            OUT_M=1 if m_bcast else cfg.block_m, OUT_N=1 if n_bcast else cfg.block_n, **tiles,
+            OUT_M=1 if m_bcast else cfg_q.block_m, OUT_N=1 if n_bcast else cfg_q.block_n, **tiles(cfg_q),
         )
     return dq, dk, dv, dmask

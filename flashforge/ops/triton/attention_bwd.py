@@ -4,7 +4,8 @@
   (The lse gradient adds dlse_i * P_ij to dS_ij, i.e. it shifts delta.)
 - `attn_bwd_dkdv_kernel`: one program per (key block, batch * kv head); loops
   over the query heads of its group and the query blocks that see the keys,
-  so dK/dV are summed over the group in registers.
+  so dK/dV are summed over the group in registers.  Works on transposed
+  [keys, queries] tiles.
 - `attn_bwd_dq_kernel`: one program per (query block, batch * query head).
 - `attn_bwd_dmask_kernel`: one program per tile of the mask's own shape; loops
   over the dims the mask broadcasts over, so dmask is reduced in a fixed order.
@@ -46,27 +47,38 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _ds_tile(b_q, b_kt, b_do, b_vt, lse2, delta, o_m, o_n, b, h, bh, Sq, Sk, off, win_left, win_right,
+def _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off, win_left, win_right,
              scale, softcap, seed, drop_threshold, drop_scale,
              MASK, stride_mb, stride_mh, stride_mm, stride_mn,
              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-             HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Recompute one [BM, BN] tile: returns (P' = dropped P scaled, dS w.r.t. the score,
+    """From qk = <q, k> and dp = dO V^T (both [BM, BN], or [BN, BM] if TRANSPOSED),
+    return (P' = P with dropout applied and scaled, dS w.r.t. the score,
     dS w.r.t. the raw product <q, k> divided by scale)."""
-    qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
-    s2, t = score_tile(qk, o_m, o_n, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
+    if TRANSPOSED:
+        i2 = o_m[None, :]
+        j2 = o_n[:, None]
+        lse2b = lse2[None, :]
+        deltab = delta[None, :]
+    else:
+        i2 = o_m[:, None]
+        j2 = o_n[None, :]
+        lse2b = lse2[:, None]
+        deltab = delta[:, None]
+    s2, t = score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
                        MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                        HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP)
-    p = tl.exp2(s2 - lse2[:, None])  # [BM, BN]
-    dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)  # [BM, BN]
+    p = tl.exp2(s2 - lse2b)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, drop_threshold, bh, o_m, o_n, BLOCK_M, BLOCK_N)
+        if TRANSPOSED:
+            keep = tl.trans(keep)
         p_drop = tl.where(keep, p * drop_scale, 0.0)
         dp = tl.where(keep, dp * drop_scale, 0.0)
     else:
         p_drop = p
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - deltab)
     if HAS_SOFTCAP:
         ds_raw = ds * (1.0 - t * t)
     else:
@@ -101,6 +113,9 @@ def attn_bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    # Tiles here are transposed ([keys, queries]) so that dV += P'^T dO and
+    # dK += dS^T Q take the accumulator tiles as they come out of the MMA,
+    # with no register transpose.
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // Hkv
@@ -115,13 +130,11 @@ def attn_bwd_dkdv_kernel(
     else:
         off = offset
 
-    m_kd = (o_n[None, :] < Sk) & (o_d[:, None] < D)
-    m_vd = (o_n[None, :] < Sk) & (o_dv[:, None] < DV)
-    # K^T [BD, BN], V^T [BDV, BN]
-    b_kt = tl.load(K + b64 * stride_kb + hk * stride_kh + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None],
-                   mask=m_kd, other=0.0)
-    b_vt = tl.load(V + b64 * stride_vb + hk * stride_vh + o_n[None, :].to(tl.int64) * stride_vs + o_dv[:, None],
-                   mask=m_vd, other=0.0)
+    # K [BN, BD], V [BN, BDV]
+    b_k = tl.load(K + b64 * stride_kb + hk * stride_kh + o_n[:, None].to(tl.int64) * stride_ks + o_d[None, :],
+                  mask=(o_n[:, None] < Sk) & (o_d[None, :] < D), other=0.0)
+    b_v = tl.load(V + b64 * stride_vb + hk * stride_vh + o_n[:, None].to(tl.int64) * stride_vs + o_dv[None, :],
+                  mask=(o_n[:, None] < Sk) & (o_dv[None, :] < DV), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
@@ -133,20 +146,23 @@ def attn_bwd_dkdv_kernel(
         p_do = DO + b64 * stride_dob + h * stride_doh
         for m_start in range(lo, hi, BLOCK_M):
             o_m = m_start + tl.arange(0, BLOCK_M)
-            # [BM, BD], [BM, BDV]
-            b_q = tl.load(p_q + o_m[:, None].to(tl.int64) * stride_qs + o_d[None, :],
-                          mask=(o_m[:, None] < Sq) & (o_d[None, :] < D), other=0.0)
-            b_do = tl.load(p_do + o_m[:, None].to(tl.int64) * stride_dos + o_dv[None, :],
-                           mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV), other=0.0)
+            # Q^T [BD, BM], dO^T [BDV, BM]
+            b_qt = tl.load(p_q + o_m[None, :].to(tl.int64) * stride_qs + o_d[:, None],
+                           mask=(o_m[None, :] < Sq) & (o_d[:, None] < D), other=0.0)
+            b_dot = tl.load(p_do + o_m[None, :].to(tl.int64) * stride_dos + o_dv[:, None],
+                            mask=(o_m[None, :] < Sq) & (o_dv[:, None] < DV), other=0.0)
             lse2, delta = _load_row_stats(LSE, DELTA, bh, o_m, Sq)
-            p_drop, ds, ds_raw = _ds_tile(b_q, b_kt, b_do, b_vt, lse2, delta, o_m, o_n, b, h, bh, Sq, Sk, off,
-                                          win_left, win_right, scale, softcap, seed, drop_threshold, drop_scale,
-                                          MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                          HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
-                                          DOT_PRECISION, BLOCK_M, BLOCK_N)
+            # [BN, BM]
+            qkt = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)
+            dpt = tl.dot(b_v, b_dot, input_precision=DOT_PRECISION)
+            p_dropt, _, ds_rawt = _ds_tile(qkt, dpt, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
+                                           win_left, win_right, scale, softcap, seed, drop_threshold, drop_scale,
+                                           MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
+                                           True, BLOCK_M, BLOCK_N)
             # [BN, BDV] += P'^T dO ; [BN, BD] += dS^T Q
-            dv += tl.dot(tl.trans(p_drop.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
-            dk += tl.dot(tl.trans(ds_raw.to(b_q.dtype)), b_q, input_precision=DOT_PRECISION)
+            dv += tl.dot(p_dropt.to(b_dot.dtype), tl.trans(b_dot), input_precision=DOT_PRECISION)
+            dk += tl.dot(ds_rawt.to(b_qt.dtype), tl.trans(b_qt), input_precision=DOT_PRECISION)
 
     dk *= scale
     m_nd = (o_n[:, None] < Sk) & (o_d[None, :] < D)
@@ -207,11 +223,14 @@ def attn_bwd_dq_kernel(
                        mask=(o_n[None, :] < Sk) & (o_d[:, None] < D), other=0.0)
         b_vt = tl.load(V + o_n[None, :].to(tl.int64) * stride_vs + o_dv[:, None],
                        mask=(o_n[None, :] < Sk) & (o_dv[:, None] < DV), other=0.0)
-        _, _, ds_raw = _ds_tile(b_q, b_kt, b_do, b_vt, lse2, delta, o_m, o_n, b, h, bh, Sq, Sk, off,
+        # [BM, BN]
+        qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
+        dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
+        _, _, ds_raw = _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
                                 win_left, win_right, scale, softcap, seed, drop_threshold, drop_scale,
                                 MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                 HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
-                                DOT_PRECISION, BLOCK_M, BLOCK_N)
+                                False, BLOCK_M, BLOCK_N)
         # [BM, BD] += dS K
         dq += tl.dot(ds_raw.to(b_kt.dtype), tl.trans(b_kt), input_precision=DOT_PRECISION)
 
@@ -279,11 +298,13 @@ def attn_bwd_dmask_kernel(
                                    + o_d[:, None], mask=(o_n[None, :] < Sk) & (o_d[:, None] < D), other=0.0)
                     b_vt = tl.load(V + b64 * stride_vb + hk * stride_vh + o_n[None, :].to(tl.int64) * stride_vs
                                    + o_dv[:, None], mask=(o_n[None, :] < Sk) & (o_dv[:, None] < DV), other=0.0)
-                    _, ds, _ = _ds_tile(b_q, b_kt, b_do, b_vt, lse2, delta, o_m, o_n, b, h, bh, Sq, Sk, off,
+                    qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
+                    dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
+                    _, ds, _ = _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
                                         win_left, win_right, scale, softcap, seed, drop_threshold, drop_scale,
                                         MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                         True, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
-                                        DOT_PRECISION, BLOCK_M, BLOCK_N)
+                                        False, BLOCK_M, BLOCK_N)
                     acc += ds
 
     # reduce the tile over broadcast rows / columns; such a dim has size 1 in dmask

@@ -32,7 +32,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, S
         b_kt = tl.load(K + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None], mask=m_kt, other=0.0)
         # [BM, BN]
         qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
-        s2, _ = score_tile(qk, o_m, o_n, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
+        s2, _ = score_tile(qk, o_m[:, None], o_n[None, :], b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
                            MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                            HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, CHECK)
         m_new = tl.maximum(m_i, tl.max(s2, axis=1))

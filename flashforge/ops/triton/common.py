@@ -19,12 +19,14 @@ def tanh(x):
 
 
 @triton.jit
-def score_tile(qk, offs_m, offs_n, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
+def score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
                MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr,
                HAS_WR: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CHECK: tl.constexpr = True):
-    """Scores in log2 units for the tile qk = <q_i, k_j> [BM, BN] (float32).
+    """Scores in log2 units for the float32 tile qk = <q_i, k_j>.
 
+    i2 / j2 are the query / key indices, broadcastable to qk's shape: [BM, 1] and
+    [1, BN] for a [BM, BN] tile, or [1, BM] and [BN, 1] for a transposed one.
     Returns (s2, t): s2 is -inf wherever key j is invisible from query i (out of
     range, masked, outside the window); t = tanh(scale * qk / softcap) for the
     softcap gradient (equal to s2 when softcap is off, unused then).
@@ -37,10 +39,10 @@ def score_tile(qk, offs_m, offs_n, b, h, Sq, Sk, off, win_left, win_right, scale
     else:
         s2 = qk * (scale * LOG2E)
         t = s2
-    m_in = (offs_m[:, None] < Sq) & (offs_n[None, :] < Sk)  # [BM, BN]
+    m_in = (i2 < Sq) & (j2 < Sk)
     if HAS_MASK:
         p_mask = (MASK + tl.cast(b, tl.int64) * stride_mb + h * stride_mh
-                  + offs_m[:, None].to(tl.int64) * stride_mm + offs_n[None, :] * stride_mn)
+                  + i2.to(tl.int64) * stride_mm + j2 * stride_mn)
         if MASK_BOOL:
             keep = tl.load(p_mask, mask=m_in, other=0)
             s2 = tl.where(keep != 0, s2, float("-inf"))
@@ -49,11 +51,11 @@ def score_tile(qk, offs_m, offs_n, b, h, Sq, Sk, off, win_left, win_right, scale
             s2 = s2 + bias * LOG2E
     if CHECK:
         # absolute query position i + off against key j
-        pos = offs_m[:, None] + off
+        pos = i2 + off
         if HAS_WR:
-            m_in = m_in & (offs_n[None, :] <= pos + win_right)
+            m_in = m_in & (j2 <= pos + win_right)
         if HAS_WL:
-            m_in = m_in & (offs_n[None, :] >= pos - win_left)
+            m_in = m_in & (j2 >= pos - win_left)
         s2 = tl.where(m_in, s2, float("-inf"))
     return s2, t
 

@@ -19,7 +19,9 @@ class TileConfig:
     num_stages: int
 
 
-# (pass, head-dim bucket, bytes per element) -> config, for CUDA GPUs
+# (pass, head-dim bucket, bytes per element) -> config, for CUDA GPUs.
+# "bwd_kv" walks query tiles (block_m, small) past a resident key tile
+# (block_n, large); "bwd_q" the other way round.
 _TABLE: dict[tuple[str, int, int], TileConfig] = {
     ("fwd", 64, 2): TileConfig(128, 64, 4, 3),
     ("fwd", 128, 2): TileConfig(128, 64, 8, 3),
@@ -27,12 +29,18 @@ _TABLE: dict[tuple[str, int, int], TileConfig] = {
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
     ("fwd", 128, 4): TileConfig(64, 32, 4, 2),
     ("fwd", 256, 4): TileConfig(32, 32, 4, 1),
-    ("bwd", 64, 2): TileConfig(64, 64, 4, 2),
-    ("bwd", 128, 2): TileConfig(64, 64, 8, 2),
-    ("bwd", 256, 2): TileConfig(32, 32, 4, 1),
-    ("bwd", 64, 4): TileConfig(32, 32, 4, 2),
-    ("bwd", 128, 4): TileConfig(32, 32, 4, 1),
-    ("bwd", 256, 4): TileConfig(16, 16, 4, 1),
+    ("bwd_kv", 64, 2): TileConfig(32, 128, 4, 3),
+    ("bwd_kv", 128, 2): TileConfig(32, 128, 8, 3),
+    ("bwd_kv", 256, 2): TileConfig(16, 64, 8, 1),
+    ("bwd_kv", 64, 4): TileConfig(32, 64, 4, 2),
+    ("bwd_kv", 128, 4): TileConfig(16, 64, 4, 1),
+    ("bwd_kv", 256, 4): TileConfig(16, 32, 4, 1),
+    ("bwd_q", 64, 2): TileConfig(128, 32, 4, 3),
+    ("bwd_q", 128, 2): TileConfig(128, 32, 8, 3),
+    ("bwd_q", 256, 2): TileConfig(64, 32, 8, 1),
+    ("bwd_q", 64, 4): TileConfig(64, 32, 4, 2),
+    ("bwd_q", 128, 4): TileConfig(32, 32, 4, 1),
+    ("bwd_q", 256, 4): TileConfig(32, 16, 4, 1),
 }
 _INTERPRETER = TileConfig(16, 16, 1, 1)
 _overrides: dict[tuple[str, int, int], TileConfig] = {}
