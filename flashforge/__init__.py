@@ -3,5 +3,6 @@ from ._version import __version__
 from . import reference
 from .api.attention import attention
 from .api.dropout import dropout_mask
+from .api.rope import apply_rope
 
-__all__ = ["__version__", "attention", "dropout_mask", "reference"]
+__all__ = ["__version__", "apply_rope", "attention", "dropout_mask", "reference"]

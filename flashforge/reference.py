@@ -91,7 +91,10 @@ def apply_rope(x, pos=0, theta: float = 10000.0, style: str = "half",
     if position_ids is not None:
         p = position_ids.to(torch.float64).view(B, S)
     else:
-        base = pos.to(torch.float64).view(-1, 1) if isinstance(pos, torch.Tensor) else torch.tensor([[float(pos)]])
+        if isinstance(pos, torch.Tensor):
+            base = pos.to(torch.float64).view(-1, 1)
+        else:  # float64: a float32 tensor would round positions past 2**24
+            base = torch.tensor([[float(pos)]], dtype=torch.float64)
         p = base.to(x.device) + torch.arange(S, dtype=torch.float64, device=x.device).view(1, S)
         p = p.expand(B, S)
     inv = theta ** (-torch.arange(0, rd, 2, dtype=torch.float64, device=x.device) / rd)  # [rd/2]

@@ -59,7 +59,10 @@ def _normalise_offset(causal_offset, q: torch.Tensor, B: int) -> tuple[int, Opti
         if causal_offset.device != q.device:
             raise ValueError(f"causal_offset is on {causal_offset.device} but q is on {q.device}")
         return 0, causal_offset.to(torch.int32).contiguous()
-    return check_int("causal_offset", causal_offset), None
+    if isinstance(causal_offset, bool) or not isinstance(causal_offset, int):
+        raise TypeError(f"causal_offset must be an int or an int32/int64 tensor [B], "
+                        f"got {type(causal_offset).__name__} ({causal_offset!r})")
+    return causal_offset, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

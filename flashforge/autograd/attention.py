@@ -22,7 +22,8 @@ def _backend(name: str):
 def _empty_result(q, v, params: AttnParams):
     B, Sq, Hq, _ = q.shape
     o = torch.zeros(B, Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # as the backends give it
+    lse = torch.full((B, Hq, Sq), float("-inf"), dtype=lse_dtype, device=q.device)
     return o, lse
 
 
@@ -50,7 +51,7 @@ class _Attention(torch.autograd.Function):
         elif do.stride(-1) != 1:
             do = do.contiguous()
         if dlse is not None:
-            dlse = dlse.float().contiguous()
+            dlse = dlse.to(lse.dtype).contiguous()
         dq, dk, dv, dmask = _backend(ctx.backend).attention_backward(
             do, dlse, q, k, v, mask, o, lse, ctx.params, need_dmask)
         if dmask is not None:

@@ -59,28 +59,28 @@ def philox4x32(seed: int, c0, c1, c2, c3):
     return c0, c1, c2, c3
 
 
-def keep_block(seed: int, p: float, bh: torch.Tensor, rows: torch.Tensor,
-               cols: torch.Tensor) -> torch.Tensor:
-    """Keep-mask for the entries at (bh, rows, cols), broadcast together.
+def keep_block(seed: int, p: float, bh: torch.Tensor, rows: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+    """Keep-mask for the entries (bh, rows, j) with keys j in [c0, c1) along a new last dim.
 
-    ``bh`` is b*H + h; all three are integer tensors (any device) broadcastable
-    to the output shape.  Returns a bool tensor of the broadcast shape.
+    ``bh`` is b*H + h and ``rows`` the query indices, integer tensors (any
+    device) broadcastable together; the result is a bool tensor of their
+    broadcast shape plus a last dim of c1 - c0.  One Philox call serves four
+    consecutive keys, as in the Triton kernels.
     """
-    bh = bh.to(torch.int64) & _M32
-    rows = rows.to(torch.int64) & _M32
-    cols = cols.to(torch.int64)
-    zero = torch.zeros((), dtype=torch.int64, device=cols.device)
-    r = philox4x32(seed, cols >> 2, rows, bh, zero)
-    lane = cols & 3
-    word = torch.where(lane == 0, r[0], torch.where(lane == 1, r[1], torch.where(lane == 2, r[2], r[3])))
-    return word >= keep_threshold(p)
+    bh = (bh.to(torch.int64) & _M32).unsqueeze(-1)
+    rows = (rows.to(torch.int64) & _M32).unsqueeze(-1)
+    g0, g1 = c0 >> 2, (c1 + 3) >> 2
+    groups = torch.arange(g0, g1, dtype=torch.int64, device=rows.device)  # counter c0 = j >> 2
+    zero = torch.zeros((), dtype=torch.int64, device=rows.device)
+    words = torch.stack(philox4x32(seed, groups, rows, bh, zero), dim=-1)  # [..., groups, 4]: key 4g + lane
+    words = words.flatten(-2)[..., c0 - 4 * g0:c1 - 4 * g0]
+    return words >= keep_threshold(p)
 
 
 def dropout_mask(seed: int, B: int, H: int, Sq: int, Sk: int, p: float,
                  device: torch.device | str = "cpu") -> torch.Tensor:
     """The full bool keep-mask ``[B, H, Sq, Sk]`` (materialised: tests and small inputs)."""
     dev = torch.device(device)
-    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
-    rows = torch.arange(Sq, device=dev, dtype=torch.int64).view(1, 1, Sq, 1)
-    cols = torch.arange(Sk, device=dev, dtype=torch.int64).view(1, 1, 1, Sk)
-    return keep_block(seed, p, bh, rows, cols)
+    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1)
+    rows = torch.arange(Sq, device=dev, dtype=torch.int64).view(1, 1, Sq)
+    return keep_block(seed, p, bh, rows, 0, Sk)

@@ -1,0 +1,312 @@
+"""The PyTorch attention path (CPU, or any device with ``backend="torch"``).
+
+Exact attention, flash style: queries in blocks of `QUERY_BLOCK` rows, keys in
+chunks of `KEY_CHUNK` (wider for short query blocks), an online softmax
+(running max ``m``, sum ``l``, accumulator) across the chunks, and a backward
+that recomputes P from ``lse`` (SPEC sections 2 and 3).  Nothing of size
+Sq x Sk is allocated: beyond accumulation-dtype copies of the inputs
+(O(B·H·S·D)), one step holds a few tiles of ``B·Hq·QUERY_BLOCK·KEY_CHUNK``
+elements.  Key chunks that no query of the block can see (causal, window,
+per-batch offsets) are never computed, and the visibility mask is only built
+for tiles that straddle its boundary.
+
+Grouped-query attention without repeating K/V: q is regrouped as
+``[B*Hkv, Sq*G, D]`` with row ``i*G + g`` holding query i of head
+``hkv*G + g``, so one bmm against a key chunk ``[B*Hkv, c, D]`` scores every
+query head of a kv head, and a query block is one contiguous row range.  The
+same tiles viewed as ``[B, Hkv, n, G, c]`` broadcast against the mask,
+visibility and dropout index tensors.
+
+Accumulation is float32 for float16/bfloat16/float32 inputs and float64 for
+float64 inputs (gradcheck).  Matmuls follow torch's own precision settings.
+The loop order is fixed and there are no atomics, so results are bitwise
+reproducible: ``params.deterministic`` needs nothing more.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from .dropout import keep_block
+from .params import AttnParams
+
+__all__ = ["attention_forward", "attention_backward", "QUERY_BLOCK", "KEY_CHUNK"]
+
+# Tile sizes, read at call time (tests shrink them to exercise the chunking).
+QUERY_BLOCK = 256
+KEY_CHUNK = 256
+
+_NEG_INF = float("-inf")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _group_rows(x: Tensor, Hkv: int, dtype: torch.dtype) -> Tensor:
+    """``[B, S, H, E]`` -> a fresh ``[B*Hkv, S*G, E]`` in ``dtype`` (row ``i*G + g`` = head ``hkv*G + g``)."""
+    B, S, H, E = x.shape
+    G = H // Hkv
+    out = torch.empty(B, Hkv, S, G, E, dtype=dtype, device=x.device)
+    out.copy_(x.unflatten(2, (Hkv, G)).transpose(1, 2))
+    return out.view(B * Hkv, S * G, E)
+
+
+def _ungroup_rows(x: Tensor, out: Tensor) -> Tensor:
+    """Write grouped ``x [B*Hkv, S*G, E]`` into ``out [B, S, H, E]`` (any strides, any dtype)."""
+    B, S, H, E = out.shape
+    Hkv = x.shape[0] // B
+    G = H // Hkv
+    out.unflatten(2, (Hkv, G)).copy_(x.view(B, Hkv, S, G, E).transpose(1, 2))
+    return out
+
+
+def _group_stats(x: Tensor, Hkv: int, dtype: torch.dtype) -> Tensor:
+    """Per-row statistics ``[B, Hq, S]`` -> ``[B*Hkv, S*G]`` (possibly a view of ``x``: do not write)."""
+    B, H, S = x.shape
+    G = H // Hkv
+    return x.unflatten(1, (Hkv, G)).transpose(2, 3).reshape(B * Hkv, S * G).to(dtype)
+
+
+def _ungroup_stats(x: Tensor, B: int, Hq: int, dtype: torch.dtype) -> Tensor:
+    """``[B*Hkv, S*G]`` -> ``[B, Hq, S]``."""
+    Hkv = x.shape[0] // B
+    G = Hq // Hkv
+    S = x.shape[1] // G
+    return x.view(B, Hkv, S, G).transpose(2, 3).reshape(B, Hq, S).to(dtype)
+
+
+def _heads_first(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[B, S, H, E]`` -> ``[B*H, S, E]`` in ``dtype``; may alias ``x`` (read only)."""
+    B, S, H, E = x.shape
+    return x.transpose(1, 2).reshape(B * H, S, E).to(dtype)
+
+
+def _heads_last(x: Tensor, like: Tensor) -> Tensor:
+    """``[B*H, S, E]`` -> a tensor shaped, typed and strided like ``like [B, S, H, E]``."""
+    B, S, H, E = like.shape
+    return torch.empty_like(like).copy_(x.view(B, H, S, E).transpose(1, 2))
+
+
+def _mask5(m: Tensor, Hkv: int, G: int) -> Tensor:
+    """View a mask ``[Bm, Hm, Sqm, Skm]`` as ``[Bm, Hkv or 1, Sqm, G or 1, Skm]``, the grouped tile layout."""
+    if m.shape[1] == 1:
+        return m.unsqueeze(3)
+    return m.unflatten(1, (Hkv, G)).transpose(2, 3)
+
+
+def _tile(m5: Tensor, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+    """The part of a 5-D mask view that covers query rows [r0, r1) and keys [c0, c1) (broadcast dims stay 1)."""
+    rows = slice(r0, r1) if m5.shape[2] > 1 else slice(None)
+    cols = slice(c0, c1) if m5.shape[4] > 1 else slice(None)
+    return m5[:, :, rows, :, cols]
+
+
+class _Tiles:
+    """One call's shared set-up: grouped operands, the mask view, the visible tiles and their scores."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], params: AttnParams):
+        B, Sq, Hq, _ = q.shape
+        Sk, Hkv = k.shape[1], k.shape[2]
+        self.B, self.Hq, self.Hkv, self.G, self.Sq, self.Sk = B, Hq, Hkv, Hq // Hkv, Sq, Sk
+        self.params = params
+        self.acc = _acc_dtype(q.dtype)
+        dev = q.device
+        # Scale folded into q once: scores come out scaled and dK = dS^T (scale q) needs no extra pass.
+        self.q = _group_rows(q, Hkv, self.acc).mul_(params.scale)  # [B*Hkv, Sq*G, D]
+        self.k = _heads_first(k, self.acc)  # [B*Hkv, Sk, D]
+        self.v = _heads_first(v, self.acc)  # [B*Hkv, Sk, Dv]
+        self.mask = None if mask is None else _mask5(mask, Hkv, self.G)
+        self.rows = torch.arange(Sq, device=dev).view(1, 1, Sq, 1, 1)
+        self.cols = torch.arange(Sk, device=dev).view(1, 1, 1, 1, Sk)
+        if params.offset_tensor is None:
+            self.offset = params.offset
+            self.offsets = [params.offset]
+        else:
+            self.offset = params.offset_tensor.to(torch.int64).view(B, 1, 1, 1, 1)
+            # The only host sync of the call: tile bounds are Python ints.
+            self.offsets = sorted(set(params.offset_tensor.tolist()))
+        self.off_min, self.off_max = self.offsets[0], self.offsets[-1]
+        if params.has_dropout:
+            self.bh = torch.arange(B * Hq, device=dev).view(B, Hkv, 1, self.G, 1)  # b*Hq + h
+
+    def row_blocks(self) -> Iterator[tuple[int, int]]:
+        for r0 in range(0, self.Sq, QUERY_BLOCK):
+            yield r0, min(r0 + QUERY_BLOCK, self.Sq)
+
+    def key_chunks(self, r0: int, r1: int) -> Iterator[tuple[int, int]]:
+        """Key chunks [c0, c1) covering exactly the keys visible from some query in [r0, r1) of some batch.
+
+        Per offset the visible keys form one interval; per-batch offsets (KV-cache lengths) can leave gaps
+        between those intervals, and chunks are never spent on a gap.  A short query block (decoding)
+        takes proportionally wider chunks: the same tile size in fewer Python-level steps.
+        """
+        step = KEY_CHUNK * max(1, QUERY_BLOCK // (r1 - r0))
+        left, right = self.params.window_left, self.params.window_right
+        spans: list[list[int]] = []
+        for off in self.offsets:  # ascending, so the intervals come sorted by start
+            lo = 0 if left < 0 else max(0, r0 + off - left)
+            hi = self.Sk if right < 0 else min(self.Sk, r1 + off + right)
+            if lo >= hi:
+                continue
+            if spans and lo <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], hi)
+            else:
+                spans.append([lo, hi])
+        for lo, hi in spans:
+            for c0 in range(lo, hi, step):
+                yield c0, min(c0 + step, hi)
+
+    def _invisible(self, r0: int, r1: int, c0: int, c1: int) -> Optional[Tensor]:
+        """Bool ``[1 or B, 1, n, 1, c]``, True where key j is invisible from query i; None if all are visible."""
+        left, right = self.params.window_left, self.params.window_right
+        left_ok = left < 0 or c0 >= r1 - 1 + self.off_max - left
+        right_ok = right < 0 or c1 - 1 <= r0 + self.off_min + right
+        if left_ok and right_ok:
+            return None
+        d = self.cols[..., c0:c1] - (self.rows[:, :, r0:r1] + self.offset)  # key minus absolute query position
+        if left_ok:
+            return d > right
+        if right_ok:
+            return d < -left
+        return (d < -left) | (d > right)
+
+    def scores(self, r0: int, r1: int, c0: int, c1: int, softcap_grad: bool = False):
+        """Masked scores ``[B*Hkv, n*G, c]`` of query rows [r0, r1) against keys [c0, c1), and, if asked
+        and softcap is on, d(capped)/d(raw) = 1 - tanh^2 of the same shape (else None)."""
+        G = self.G
+        s = torch.bmm(self.q[:, r0 * G:r1 * G], self.k[:, c0:c1].transpose(1, 2))  # [B*Hkv, n*G, c]
+        dcap = None
+        cap = self.params.softcap
+        if cap > 0:
+            t = s.div_(cap).tanh_()
+            if softcap_grad:
+                dcap = 1.0 - t * t
+            s = t.mul_(cap)
+        s5 = s.view(self.B, self.Hkv, r1 - r0, G, c1 - c0)
+        if self.mask is not None:
+            m = _tile(self.mask, r0, r1, c0, c1)
+            if m.dtype == torch.bool:
+                s5.masked_fill_(~m, _NEG_INF)
+            else:
+                s5.add_(m)
+        invisible = self._invisible(r0, r1, c0, c1)
+        if invisible is not None:
+            s5.masked_fill_(invisible, _NEG_INF)
+        return s, dcap
+
+    def keep(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
+        """Dropout keep-mask of the tile, bool ``[B*Hkv, n*G, c]`` (SPEC: a pure function of (seed, b, h, i, j))."""
+        p = self.params
+        keep = keep_block(p.seed, p.dropout_p, self.bh[..., 0], self.rows[:, :, r0:r1, :, 0], c0, c1)
+        return keep.view(self.B * self.Hkv, (r1 - r0) * self.G, c1 - c0)
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                      params: AttnParams) -> tuple[Tensor, Tensor]:
+    """Attention on validated BSHD tensors.
+
+    Args:
+        q: ``[B, Sq, Hq, D]``; k: ``[B, Sk, Hkv, D]``; v: ``[B, Sk, Hkv, Dv]``; last-dim stride 1,
+            ``Hq % Hkv == 0``, ``Sq, Sk >= 1``.
+        mask: None, or ``[Bm, Hm, Sqm, Skm]`` with each dim 1 or full; bool (True = keep) or float (additive).
+        params: the normalised call (`AttnParams`).
+
+    Returns:
+        ``o [B, Sq, Hq, Dv]`` in q's dtype and ``lse [B, Hq, Sq]`` (float32; float64 for float64
+        inputs), -inf on fully masked rows, where o is 0.
+    """
+    t = _Tiles(q, k, v, mask, params)
+    B, Hq, G, Sq = t.B, t.Hq, t.G, t.Sq
+    BH, Dv = B * t.Hkv, v.shape[-1]
+    o = torch.zeros(BH, Sq * G, Dv, dtype=t.acc, device=q.device)
+    lse = torch.empty(BH, Sq * G, dtype=t.acc, device=q.device)
+    for r0, r1 in t.row_blocks():
+        rows = slice(r0 * G, r1 * G)
+        acc = o[:, rows]  # [BH, n*G, Dv], accumulated in place
+        m = torch.full((BH, (r1 - r0) * G), _NEG_INF, dtype=t.acc, device=q.device)  # [BH, n*G]
+        l = torch.zeros_like(m)
+        for c0, c1 in t.key_chunks(r0, r1):
+            s, _ = t.scores(r0, r1, c0, c1)  # [BH, n*G, c]
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            # A row with nothing visible yet keeps m = -inf; subtracting 0 instead leaves its exp at 0, not NaN.
+            m_ref = m_new.masked_fill(m_new == _NEG_INF, 0.0)
+            alpha = (m - m_ref).exp_()
+            p = s.sub_(m_ref.unsqueeze(-1)).exp_()
+            l.mul_(alpha).add_(p.sum(dim=-1))
+            if params.has_dropout:
+                p.mul_(t.keep(r0, r1, c0, c1))
+            acc.mul_(alpha.unsqueeze(-1)).baddbmm_(p, t.v[:, c0:c1])
+            m = m_new
+        # Fully masked rows: l = 0, so o = 0 and lse = -inf + log 0 = -inf.
+        norm = l.masked_fill(l == 0, 1.0)
+        if params.has_dropout:
+            norm.mul_(1.0 - params.dropout_p)
+        acc.div_(norm.unsqueeze(-1))
+        lse[:, rows] = m + l.log()
+    out = _ungroup_rows(o, torch.empty(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device))
+    lse_dtype = torch.float64 if t.acc == torch.float64 else torch.float32
+    return out, _ungroup_stats(lse, B, Hq, lse_dtype)
+
+
+def attention_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                       mask: Optional[Tensor], o: Tensor, lse: Tensor, params: AttnParams,
+                       need_dmask: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Gradients of `attention_forward` (FA2 style: P recomputed from ``lse``, never stored).
+
+    Args:
+        do: ``[B, Sq, Hq, Dv]``, the gradient of o; dlse: None or ``[B, Hq, Sq]``, the gradient of lse.
+        q, k, v, mask, params: as given to `attention_forward`; o, lse: what it returned.
+        need_dmask: also return the mask's gradient.
+
+    Returns:
+        ``dq, dk, dv`` shaped and typed like q, k, v, and ``dmask``: None unless ``need_dmask``, else the
+        gradient of the score (after softcap, before visibility) summed over the mask's broadcast dims,
+        shaped like the mask, float32 (float64 for float64 inputs).
+    """
+    t = _Tiles(q, k, v, mask, params)
+    G = t.G
+    BH = t.B * t.Hkv
+    do_g = _group_rows(do, t.Hkv, t.acc)  # [BH, Sq*G, Dv]
+    # delta_i = rowsum(o_i * do_i); the lse gradient adds dlse_i * P_ij to dS_ij, i.e. delta - dlse.
+    delta = _group_rows(o, t.Hkv, t.acc).mul_(do_g).sum(dim=-1)  # [BH, Sq*G]
+    if dlse is not None:
+        delta.sub_(_group_stats(dlse, t.Hkv, t.acc))
+    # Fully masked rows have every score -inf, so any finite lse gives P = 0 there.
+    lse_g = _group_stats(lse, t.Hkv, t.acc)
+    lse_g = lse_g.masked_fill(lse_g == _NEG_INF, 0.0)  # [BH, Sq*G]
+    dq = torch.zeros_like(t.q)  # [BH, Sq*G, D]
+    dk = torch.zeros_like(t.k)  # [BH, Sk, D]
+    dv = torch.zeros_like(t.v)  # [BH, Sk, Dv]
+    dmask = torch.zeros(mask.shape, dtype=t.acc, device=q.device) if need_dmask else None
+    dmask5 = _mask5(dmask, t.Hkv, G) if need_dmask else None
+    inv_keep = 1.0 / (1.0 - params.dropout_p)
+    for r0, r1 in t.row_blocks():
+        rows = slice(r0 * G, r1 * G)
+        q_b, do_b, dq_b = t.q[:, rows], do_g[:, rows], dq[:, rows]  # [BH, n*G, D | Dv | D]
+        lse_b, delta_b = lse_g[:, rows, None], delta[:, rows, None]  # [BH, n*G, 1]
+        for c0, c1 in t.key_chunks(r0, r1):
+            s, dcap = t.scores(r0, r1, c0, c1, softcap_grad=True)
+            p = s.sub_(lse_b).exp_()  # [BH, n*G, c]
+            dp = torch.bmm(do_b, t.v[:, c0:c1].transpose(1, 2))  # [BH, n*G, c]
+            if params.has_dropout:
+                keep = t.keep(r0, r1, c0, c1)
+                dv[:, c0:c1].baddbmm_(torch.mul(p, keep).transpose(1, 2), do_b, alpha=inv_keep)
+                dp.mul_(keep).mul_(inv_keep)
+            else:
+                dv[:, c0:c1].baddbmm_(p.transpose(1, 2), do_b)
+            ds = dp.sub_(delta_b).mul_(p)  # gradient of the (capped, masked) score
+            if dmask5 is not None:
+                target = _tile(dmask5, r0, r1, c0, c1)
+                ds5 = ds.view(t.B, t.Hkv, r1 - r0, G, c1 - c0)
+                dims = [d for d in range(5) if target.shape[d] == 1 and ds5.shape[d] > 1]
+                target.add_(ds5.sum(dim=dims, keepdim=True) if dims else ds5)
+            if dcap is not None:
+                ds.mul_(dcap)
+            dq_b.baddbmm_(ds, t.k[:, c0:c1])
+            dk[:, c0:c1].baddbmm_(ds.transpose(1, 2), q_b)
+    dq.mul_(params.scale)
+    dq_out = _ungroup_rows(dq, torch.empty_like(q))
+    return dq_out, _heads_last(dk, k), _heads_last(dv, v), dmask
