@@ -45,7 +45,7 @@ def visible(Sq: int, Sk: int, causal: bool, causal_offset, window, B: int = 1,
 def attention(q, k, v, *, causal=False, causal_offset: Union[int, torch.Tensor] = 0,
               window=None, mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
               seed: int = 0, scale: Optional[float] = None, softcap: float = 0.0,
-              return_lse: bool = False):
+              alibi_slopes: Optional[torch.Tensor] = None, return_lse: bool = False):
     """Reference attention. q ``[B, Sq, Hq, D]``, k ``[B, Sk, Hkv, D]``,
     v ``[B, Sk, Hkv, Dv]`` -> o ``[B, Sq, Hq, Dv]`` (and lse ``[B, Hq, Sq]``)."""
     B, Sq, Hq, D = q.shape
@@ -59,6 +59,15 @@ def attention(q, k, v, *, causal=False, causal_offset: Union[int, torch.Tensor] 
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     neg_inf = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
+    if alibi_slopes is not None:
+        if isinstance(causal_offset, torch.Tensor):
+            off = causal_offset.to(device=q.device, dtype=s.dtype).view(-1, 1, 1, 1)
+        else:
+            off = float(causal_offset)
+        i = torch.arange(Sq, device=q.device, dtype=s.dtype).view(1, 1, Sq, 1)
+        j = torch.arange(Sk, device=q.device, dtype=s.dtype).view(1, 1, 1, Sk)
+        slopes = alibi_slopes.to(s.dtype).reshape(-1, Hq, 1, 1)  # [1 or B, Hq, 1, 1]
+        s = s - slopes * (i + off - j).abs()
     if mask is not None:
         if mask.dtype == torch.bool:
             s = torch.where(mask, s, neg_inf)

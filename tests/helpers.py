@@ -73,15 +73,19 @@ class Case:
     lse_grad: bool = True  # the loss also uses lse (return_lse=True output gets a gradient)
     rank: int = 4  # 4: [B, S, H, D]; 3: flat [N, S, D] (N = B, H = 1); 2: [S, D] (B = H = 1)
     input_scale: float = 1.0  # q and k are multiplied by this (large: sharp softmax)
+    alibi: Optional[str] = None  # None, "H" (slopes [Hq]) or "BH" (slopes [B, Hq])
 
     @property
     def dv(self) -> int:
         return self.D if self.Dv is None else self.Dv
 
-    def kwargs(self, offset) -> dict:
+    def kwargs(self, offset, alibi_slopes=None) -> dict:
         """Keyword arguments shared by `flashforge.attention` and the reference."""
-        return dict(causal=self.causal, causal_offset=offset, window=self.window, dropout_p=self.dropout_p,
-                    seed=self.seed, scale=self.scale, softcap=self.softcap)
+        kw = dict(causal=self.causal, causal_offset=offset, window=self.window, dropout_p=self.dropout_p,
+                  seed=self.seed, scale=self.scale, softcap=self.softcap)
+        if alibi_slopes is not None:
+            kw["alibi_slopes"] = alibi_slopes
+        return kw
 
 
 @dataclass
@@ -93,6 +97,7 @@ class Inputs:
     causal_offset: Union[int, torch.Tensor]
     do: torch.Tensor
     dlse: Optional[torch.Tensor]
+    alibi_slopes: Optional[torch.Tensor] = None
 
 
 def _layout(shape4, layout: str, gen: torch.Generator, scale: float, device, dtype, rank: int) -> torch.Tensor:
@@ -166,7 +171,12 @@ def make_inputs(case: Case, device="cpu", dtype=torch.float32, gen_seed: int = 0
     if case.layout == "bhsd" and case.rank == 4:  # a non-contiguous upstream gradient too
         do = torch.randn(B, Hq, Sq, case.dv, generator=gen).to(device=device, dtype=dtype).transpose(1, 2)
     dlse = torch.randn(lse_shape, generator=gen).to(device) if case.lse_grad else None
-    return Inputs(q, k, v, mask, offset, do, dlse)
+    slopes = None
+    if case.alibi is not None:  # ALiBi's geometric slopes, scaled per batch row for "BH"
+        base = 2.0 ** (-8.0 * torch.arange(1, Hq + 1, dtype=torch.float32) / Hq)
+        slopes = base if case.alibi == "H" else base * torch.arange(1, B + 1, dtype=torch.float32).view(B, 1)
+        slopes = slopes.to(device)
+    return Inputs(q, k, v, mask, offset, do, dlse, slopes)
 
 
 def _to4(x: torch.Tensor, rank: int) -> torch.Tensor:
@@ -199,7 +209,7 @@ def _grads(o, lse, inputs: Inputs, leaves):
 
 def run_flashforge(case: Case, inputs: Inputs, backend: Optional[str], **extra) -> dict:
     """Our forward and backward; results in 4-D form (o, lse, dq, dk, dv) plus dmask (the mask's shape)."""
-    kw = case.kwargs(inputs.causal_offset)
+    kw = case.kwargs(inputs.causal_offset, inputs.alibi_slopes)
     kw.update(extra)
     o, lse = flashforge.attention(inputs.q, inputs.k, inputs.v, mask=inputs.mask, return_lse=True,
                                   backend=backend, **kw)
@@ -223,8 +233,8 @@ def run_reference(case: Case, inputs: Inputs, dtype: torch.dtype) -> dict:
     if mask is not None and r == 3 and mask.dim() == 3:
         mask4 = mask.unsqueeze(1)
     o, lse = reference.attention(_to4(q, r), _to4(k, r), _to4(v, r), mask=mask4, return_lse=True,
-                                 **case.kwargs(inputs.causal_offset))
-    ref_inputs = Inputs(q, k, v, mask, inputs.causal_offset, inputs.do, inputs.dlse)
+                                 **case.kwargs(inputs.causal_offset, inputs.alibi_slopes))
+    ref_inputs = Inputs(q, k, v, mask, inputs.causal_offset, inputs.do, inputs.dlse, inputs.alibi_slopes)
     o_r = o.reshape(inputs.do.shape) if r != 4 else o
     lse_r = lse.reshape(inputs.dlse.shape) if (r != 4 and inputs.dlse is not None) else lse
     dq, dk, dv, dmask = _grads(o_r, lse_r, ref_inputs, [q, k, v, mask])

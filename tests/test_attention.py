@@ -91,6 +91,12 @@ DROPOUT_SOFTCAP = [
     case("softcap-30-sharp", Sq=17, Sk=33, softcap=30.0, input_scale=4.0),
     case("softcap-causal-bias-grad", Sq=17, Sk=17, softcap=2.0, causal=True, mask="float_grad"),
     case("softcap-dropout-window", Sq=17, Sk=17, softcap=5.0, dropout_p=0.1, seed=3, window=(3, 3)),
+    # ALiBi: -slope * |i + offset - j| after softcap, slopes [Hq] or [B, Hq]
+    case("alibi-H", Sq=17, Sk=33, Hq=4, Hkv=2, alibi="H"),
+    case("alibi-BH-causal-offset-tensor", Sq=17, Sk=33, Hq=4, Hkv=1, alibi="BH", causal=True,
+         causal_offset=(16, 3)),
+    case("alibi-softcap-bias-grad-window", Sq=17, Sk=17, alibi="H", softcap=2.0, mask="float_grad",
+         mask_shape="B1SqSk", window=(5, 2)),
 ]
 
 FULLY_MASKED = [

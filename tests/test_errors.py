@@ -137,6 +137,15 @@ CASES = [
     pytest.param(ValueError, r"causal_offset is on meta but q is on cpu",
                  dict(causal=True, causal_offset=torch.zeros(B, dtype=torch.int32, device="meta")),
                  id="offset-tensor-device"),
+    # ALiBi slopes
+    pytest.param(ValueError, r"alibi_slopes has shape \(3,\); accepted: \[Hq\] = \[4\] or \[B, Hq\] = \[2, 4\]",
+                 dict(alibi_slopes=torch.ones(3)), id="alibi-shape"),
+    pytest.param(ValueError, r"alibi_slopes has dtype torch\.int64; accepted: a float dtype",
+                 dict(alibi_slopes=torch.ones(4, dtype=torch.int64)), id="alibi-int"),
+    pytest.param(TypeError, r"alibi_slopes must be a torch\.Tensor, got list",
+                 dict(alibi_slopes=[0.5] * 4), id="alibi-list"),
+    pytest.param(ValueError, r"alibi_slopes is on meta but q is on cpu",
+                 dict(alibi_slopes=torch.ones(4, device="meta")), id="alibi-device"),
     # scalars
     pytest.param(ValueError, r"softcap must be >= 0\.0, got -1\.0", dict(softcap=-1.0), id="softcap-neg"),
     pytest.param(ValueError, r"softcap must be finite, got inf", dict(softcap=math.inf), id="softcap-inf"),

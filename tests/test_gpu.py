@@ -60,6 +60,8 @@ GRID += [
          seed=2**40 + 1),
     case("dropout-0.3-gqa-bias-grad", F16, B=2, Sq=512, Sk=512, Hq=4, Hkv=2, D=64, dropout_p=0.3, seed=7,
          mask="float_grad", mask_shape="B1SqSk"),
+    case("alibi-BH-causal-bottom-right", F16, B=2, Sq=500, Sk=1000, Hq=4, Hkv=2, D=64, causal=True,
+         causal_offset=500, alibi="BH"),
     case("softcap-30-causal", BF16, B=1, Sq=1000, Sk=1000, Hq=4, Hkv=2, D=128, causal=True, softcap=30.0,
          input_scale=3.0),
     # fully masked rows

@@ -65,11 +65,26 @@ def _normalise_offset(causal_offset, q: torch.Tensor, B: int) -> tuple[int, Opti
     return causal_offset, None
 
 
+def _normalise_slopes(alibi_slopes, q: torch.Tensor, B: int, Hq: int) -> Optional[torch.Tensor]:
+    """ALiBi slopes ``[Hq]`` or ``[B, Hq]`` -> a float32 ``[B, Hq]`` view (stride 0 where broadcast)."""
+    if alibi_slopes is None:
+        return None
+    check_tensor("alibi_slopes", alibi_slopes)
+    if not alibi_slopes.dtype.is_floating_point:
+        raise ValueError(f"alibi_slopes has dtype {alibi_slopes.dtype}; accepted: a float dtype (float32 preferred)")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
+    if alibi_slopes.shape not in ((Hq,), (B, Hq)):
+        raise ValueError(f"alibi_slopes has shape {tuple(alibi_slopes.shape)}; accepted: [Hq] = [{Hq}] "
+                         f"or [B, Hq] = [{B}, {Hq}]")
+    return alibi_slopes.detach().to(torch.float32).expand(B, Hq)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               causal_offset: Union[int, torch.Tensor] = 0, window=None, mask: Optional[torch.Tensor] = None,
               dropout_p: float = 0.0, seed: Optional[int] = None, scale: Optional[float] = None,
-              softcap: float = 0.0, deterministic: bool = False, return_lse: bool = False,
-              backend: Optional[str] = None, allow_tf32: bool = False):
+              softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
+              return_lse: bool = False, backend: Optional[str] = None, allow_tf32: bool = False):
     """Exact (flash) attention.
 
     Args:
@@ -86,6 +101,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         seed: int in [0, 2**63) for the dropout mask; None draws one from torch's generator.
         scale: score scale, default ``1/sqrt(D)``.
         softcap: if > 0, ``score = softcap * tanh(score / softcap)`` before masking.
+        alibi_slopes: float tensor ``[Hq]`` or ``[B, Hq]``: adds ``-slope * |i + causal_offset - j|``
+            to the score (after softcap), as flash-attn's ``alibi_slopes``; treated as a constant
+            (no gradient).
         deterministic: bitwise-reproducible gradients.
         return_lse: also return ``lse [B, Hq, Sq]`` (float32, natural log), differentiable.
         backend: None (Triton for CUDA tensors, PyTorch on CPU), "triton" or "torch".
@@ -147,8 +165,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if backend is None:
         backend = "triton" if q.device.type == "cuda" else "torch"
 
+    slopes = _normalise_slopes(alibi_slopes, q, B, Hq)
     params = AttnParams(scale=scale, window_left=left, window_right=right, offset=offset,
-                        offset_tensor=offset_tensor, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                        offset_tensor=offset_tensor, softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p, seed=seed,
                         deterministic=bool(deterministic), allow_tf32=bool(allow_tf32))
     # only the last dim needs unit stride; copy once here otherwise
     q4, k4, v4 = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (q4, k4, v4))

@@ -119,6 +119,9 @@ class _Tiles:
         self.k = _heads_first(k, self.acc)  # [B*Hkv, Sk, D]
         self.v = _heads_first(v, self.acc)  # [B*Hkv, Sk, Dv]
         self.mask = None if mask is None else _mask5(mask, Hkv, self.G)
+        # ALiBi slopes [B, Hq] -> [B, Hkv, 1, G, 1], the grouped tile layout
+        slopes = params.alibi_slopes
+        self.slopes = None if slopes is None else slopes.to(self.acc).reshape(B, Hkv, 1, self.G, 1)
         self.rows = torch.arange(Sq, device=dev).view(1, 1, Sq, 1, 1)
         self.cols = torch.arange(Sk, device=dev).view(1, 1, 1, 1, Sk)
         if params.offset_tensor is None:
@@ -192,6 +195,9 @@ class _Tiles:
                 s5.masked_fill_(~m, _NEG_INF)
             else:
                 s5.add_(m)
+        if self.slopes is not None:
+            dist = (self.cols[..., c0:c1] - (self.rows[:, :, r0:r1] + self.offset)).abs()  # [1 or B, 1, n, 1, c]
+            s5.sub_(self.slopes * dist)
         invisible = self._invisible(r0, r1, c0, c1)
         if invisible is not None:
             s5.masked_fill_(invisible, _NEG_INF)

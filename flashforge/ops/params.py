@@ -10,6 +10,8 @@ key j is visible from query i iff
 Causal attention is simply ``right = 0``; the seed's integer window ``w`` is
 ``(w - 1, w - 1)``.  ``offset`` is either a Python int (``offset``) or a
 per-batch int32 tensor ``[B]`` on the inputs' device (``offset_tensor``).
+ALiBi adds ``-alibi_slopes[b, h] * |i + offset - j|`` to the score (after softcap,
+like a mask).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class AttnParams:
     offset: int = 0  # used when offset_tensor is None
     offset_tensor: Optional[torch.Tensor] = None  # int32 [B], same device as q
     softcap: float = 0.0  # 0: off
+    alibi_slopes: Optional[torch.Tensor] = None  # float32 [B, Hq] (stride 0 where broadcast), same device as q
     dropout_p: float = 0.0
     seed: int = 0  # 0 <= seed < 2**63; only read when dropout_p > 0
     deterministic: bool = False

@@ -40,17 +40,19 @@ def _mask_args(mask: Optional[torch.Tensor], q: torch.Tensor):
 
 
 def _common_args(q, params: AttnParams):
-    """Scalar arguments and constexpr flags shared by every attention kernel."""
+    """(offsets, alibi, its 2 strides), scalar arguments and constexpr flags shared by every attention kernel."""
     per_batch = params.offset_tensor is not None
     offsets = params.offset_tensor if per_batch else q
+    slopes = params.alibi_slopes
+    tensors = (offsets, q, 0, 0) if slopes is None else (offsets, slopes, slopes.stride(0), slopes.stride(1))
     scalars = (params.scale, params.softcap if params.softcap > 0 else 1.0, params.offset,
                params.window_left, params.window_right, params.seed, keep_threshold(params.dropout_p),
                1.0 / (1.0 - params.dropout_p))
     flags = dict(HAS_WL=params.window_left >= 0, HAS_WR=params.window_right >= 0,
                  OFFSET_PER_BATCH=per_batch, HAS_SOFTCAP=params.softcap > 0,
-                 HAS_DROPOUT=params.dropout_p > 0,
+                 HAS_DROPOUT=params.dropout_p > 0, HAS_ALIBI=params.alibi_slopes is not None,
                  DOT_PRECISION="tf32" if params.allow_tf32 or q.dtype != torch.float32 else "ieee")
-    return offsets, scalars, flags
+    return tensors, scalars, flags
 
 
 def _padded(D: int, Dv: int) -> int:
@@ -72,11 +74,11 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
     cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
-    offsets, scalars, flags = _common_args(q, params)
+    (offsets, alibi, s_ab, s_ah), scalars, flags = _common_args(q, params)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     attn_fwd_kernel[grid](
-        q, k, v, o, lse, mask_t, offsets,
-        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(o), *m_strides,
+        q, k, v, o, lse, mask_t, offsets, alibi,
+        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(o), *m_strides, s_ab, s_ah,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
@@ -93,7 +95,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     cfg_q = get_config("bwd_q", max(D, Dv), q.element_size(), interpret)
     BD = _padded(D, Dv)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
-    offsets, scalars, flags = _common_args(q, params)
+    (offsets, alibi, s_ab, s_ah), scalars, flags = _common_args(q, params)
 
     def tiles(cfg):
         return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BD, BLOCK_DV=BD,
@@ -110,16 +112,16 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg_kv.block_n), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, mask_t, offsets,
+        q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi,
         *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
-        *_bshd_strides(dk), *_bshd_strides(dv), *m_strides,
+        *_bshd_strides(dk), *_bshd_strides(dv), *m_strides, s_ab, s_ah,
         Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv),
     )
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg_q.block_m), B * Hq)](
-        q, k, v, do, lse, delta, dq, mask_t, offsets,
+        q, k, v, do, lse, delta, dq, mask_t, offsets, alibi,
         *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
-        *_bshd_strides(dq), *m_strides,
+        *_bshd_strides(dq), *m_strides, s_ab, s_ah,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_q),
     )
@@ -131,9 +133,9 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         m_bcast, n_bcast = Sqm == 1 and Sq > 1, Skm == 1 and Sk > 1
         grid = (triton.cdiv(Sqm, cfg_q.block_m), triton.cdiv(Skm, cfg_q.block_n), Bm * Hm)
         attn_bwd_dmask_kernel[grid](
-            q, k, v, do, lse, delta, dmask, mask_t, offsets,
+            q, k, v, do, lse, delta, dmask, mask_t, offsets, alibi,
             *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
-            *m_strides, *dmask.stride(),
+            *m_strides, s_ab, s_ah, *dmask.stride(),
             B, Hq, Sq, Sk, D, Dv, Hq // Hkv, Hm, Sqm, Skm, *scalars,
             MASK_BOOL=mask_bool, **flags,
             B_BCAST=Bm == 1 and B > 1, H_BCAST=Hm == 1 and Hq > 1, M_BCAST=m_bcast, N_BCAST=n_bcast,

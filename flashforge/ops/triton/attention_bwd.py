@@ -16,7 +16,7 @@ dS = P * (dP' - delta) where dP' is dO V^T with the dropout mask applied.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, query_range, key_range, score_tile
+from .common import LOG2E, key_range, load_slope, query_range, score_tile
 from .dropout import dropout_keep
 
 
@@ -48,10 +48,11 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off, win_left, win_right,
-             scale, softcap, seed, drop_threshold, drop_scale,
+             scale, softcap, slope, seed, drop_threshold, drop_scale,
              MASK, stride_mb, stride_mh, stride_mm, stride_mn,
              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-             HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+             TRANSPOSED: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """From qk = <q, k> and dp = dO V^T (both [BM, BN], or [BN, BM] if TRANSPOSED),
     return (P' = P with dropout applied and scaled, dS w.r.t. the score,
@@ -66,9 +67,9 @@ def _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off, win_left, win
         j2 = o_n[None, :]
         lse2b = lse2[:, None]
         deltab = delta[:, None]
-    s2, t = score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
+    s2, t = score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softcap, slope,
                        MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                       HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP)
+                       HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_ALIBI)
     p = tl.exp2(s2 - lse2b)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, drop_threshold, bh, o_m, o_n, BLOCK_M, BLOCK_N)
@@ -98,18 +99,19 @@ def _load_row_stats(LSE, DELTA, bh, o_m, Sq):
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS,
+    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS, ALIBI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     Hq, Hkv, Sq, Sk, D: tl.constexpr, DV: tl.constexpr, GROUP,
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -142,6 +144,7 @@ def attn_bwd_dkdv_kernel(
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b * Hq + h
+        slope = load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI)
         p_q = Q + b64 * stride_qb + h * stride_qh
         p_do = DO + b64 * stride_dob + h * stride_doh
         for m_start in range(lo, hi, BLOCK_M):
@@ -156,9 +159,9 @@ def attn_bwd_dkdv_kernel(
             qkt = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)
             dpt = tl.dot(b_v, b_dot, input_precision=DOT_PRECISION)
             p_dropt, _, ds_rawt = _ds_tile(qkt, dpt, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
-                                           win_left, win_right, scale, softcap, seed, drop_threshold, drop_scale,
+                                           win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
                                            MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
+                                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                            True, BLOCK_M, BLOCK_N)
             # [BN, BDV] += P'^T dO ; [BN, BD] += dS^T Q
             dv += tl.dot(p_dropt.to(b_dot.dtype), tl.trans(b_dot), input_precision=DOT_PRECISION)
@@ -175,17 +178,18 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, OFFSETS,
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, OFFSETS, ALIBI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
-    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     Hq, Sq, Sk, D: tl.constexpr, DV: tl.constexpr, GROUP,
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -211,6 +215,7 @@ def attn_bwd_dq_kernel(
     b_do = tl.load(DO + b64 * stride_dob + h * stride_doh + o_m[:, None].to(tl.int64) * stride_dos + o_dv[None, :],
                    mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV), other=0.0)
     lse2, delta = _load_row_stats(LSE, DELTA, bh, o_m, Sq)
+    slope = load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI)
     K += b64 * stride_kb + hk * stride_kh
     V += b64 * stride_vb + hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -227,9 +232,9 @@ def attn_bwd_dq_kernel(
         qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
         dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
         _, _, ds_raw = _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
-                                win_left, win_right, scale, softcap, seed, drop_threshold, drop_scale,
+                                win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
                                 MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
+                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                 False, BLOCK_M, BLOCK_N)
         # [BM, BD] += dS K
         dq += tl.dot(ds_raw.to(b_kt.dtype), tl.trans(b_kt), input_precision=DOT_PRECISION)
@@ -241,17 +246,18 @@ def attn_bwd_dq_kernel(
 
 @triton.jit
 def attn_bwd_dmask_kernel(
-    Q, K, V, DO, LSE, DELTA, DMASK, MASK, OFFSETS,
+    Q, K, V, DO, LSE, DELTA, DMASK, MASK, OFFSETS, ALIBI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
-    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     stride_gb, stride_gh, stride_gm, stride_gn,
     B, Hq, Sq, Sk, D: tl.constexpr, DV: tl.constexpr, GROUP, Hm, Sqm, Skm,
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     B_BCAST: tl.constexpr, H_BCAST: tl.constexpr, M_BCAST: tl.constexpr, N_BCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -285,6 +291,7 @@ def attn_bwd_dmask_kernel(
         for h in range(h_lo, h_hi):
             hk = h // GROUP
             bh = b * Hq + h
+            slope = load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI)
             for m_start in range(m_lo, m_hi, BLOCK_M):
                 o_m = m_start + tl.arange(0, BLOCK_M)
                 b_q = tl.load(Q + b64 * stride_qb + h * stride_qh + o_m[:, None].to(tl.int64) * stride_qs
@@ -301,9 +308,9 @@ def attn_bwd_dmask_kernel(
                     qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
                     dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
                     _, ds, _ = _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
-                                        win_left, win_right, scale, softcap, seed, drop_threshold, drop_scale,
+                                        win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
                                         MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                        True, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
+                                        True, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                         False, BLOCK_M, BLOCK_N)
                     acc += ds
 

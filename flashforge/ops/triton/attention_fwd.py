@@ -6,16 +6,17 @@ constexpr flag of this one kernel.
 import triton
 import triton.language as tl
 
-from .common import LN2, full_key_range, key_range, score_tile
+from .common import LN2, full_key_range, key_range, load_slope, score_tile
 from .dropout import dropout_keep
 
 
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, b_q, K, V, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
-               stride_ks, stride_vs, scale, softcap, win_left, win_right, seed, drop_threshold,
+               stride_ks, stride_vs, scale, softcap, slope, win_left, win_right, seed, drop_threshold,
                MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               DOT_PRECISION: tl.constexpr,
                D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online-softmax update over the key tiles [n_lo, n_hi).  CHECK=False: the
@@ -33,8 +34,8 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, S
         # [BM, BN]
         qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
         s2, _ = score_tile(qk, o_m[:, None], o_n[None, :], b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
-                           MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, CHECK)
+                           slope, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_ALIBI, CHECK)
         m_new = tl.maximum(m_i, tl.max(s2, axis=1))
         # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -54,17 +55,17 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, S
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, MASK, OFFSETS,
+    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     Hq, Sq, Sk, D: tl.constexpr, DV: tl.constexpr, GROUP,
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -82,6 +83,7 @@ def attn_fwd_kernel(
         off = tl.load(OFFSETS + b)
     else:
         off = offset
+    slope = load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI)
 
     # [BM, BD]
     p_q = Q + b64 * stride_qb + h * stride_qh + o_m[:, None].to(tl.int64) * stride_qs + o_d[None, :]
@@ -98,19 +100,22 @@ def attn_fwd_kernel(
     full_lo, full_hi = full_key_range(m_start, off, win_left, win_right, Sk, lo, hi, BLOCK_M, BLOCK_N,
                                       HAS_WL, HAS_WR)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
-                               stride_ks, stride_vs, scale, softcap, win_left, win_right, seed, drop_threshold,
-                               MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                               HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION,
+                               stride_ks, stride_vs, scale, softcap, slope, win_left, win_right, seed,
+                               drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                               HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                               DOT_PRECISION,
                                D, DV, False, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, lo, full_lo, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
-                               stride_ks, stride_vs, scale, softcap, win_left, win_right, seed, drop_threshold,
-                               MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                               HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION,
+                               stride_ks, stride_vs, scale, softcap, slope, win_left, win_right, seed,
+                               drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                               HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                               DOT_PRECISION,
                                D, DV, True, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, full_hi, hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
-                               stride_ks, stride_vs, scale, softcap, win_left, win_right, seed, drop_threshold,
-                               MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                               HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, DOT_PRECISION,
+                               stride_ks, stride_vs, scale, softcap, slope, win_left, win_right, seed,
+                               drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                               HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                               DOT_PRECISION,
                                D, DV, True, BLOCK_M, BLOCK_N)
 
     empty = l_i == 0.0  # fully masked row: o = 0, lse = -inf

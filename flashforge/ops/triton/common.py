@@ -19,10 +19,11 @@ def tanh(x):
 
 
 @triton.jit
-def score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
+def score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softcap, slope,
                MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr,
-               HAS_WR: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CHECK: tl.constexpr = True):
+               HAS_WR: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               CHECK: tl.constexpr = True):
     """Scores in log2 units for the float32 tile qk = <q_i, k_j>.
 
     i2 / j2 are the query / key indices, broadcastable to qk's shape: [BM, 1] and
@@ -32,6 +33,7 @@ def score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softca
     softcap gradient (equal to s2 when softcap is off, unused then).
     CHECK=False skips the range and window tests, for tiles known to lie inside
     both (see `full_key_range`); a user mask is always applied.
+    slope: the ALiBi slope of (b, h), read only when HAS_ALIBI.
     """
     if HAS_SOFTCAP:
         t = tanh(qk * (scale / softcap))
@@ -39,6 +41,9 @@ def score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softca
     else:
         s2 = qk * (scale * LOG2E)
         t = s2
+    if HAS_ALIBI:
+        # -slope * |i + off - j|, in log2 units
+        s2 = s2 - (slope * LOG2E) * tl.abs((i2 + off - j2).to(tl.float32))
     m_in = (i2 < Sq) & (j2 < Sk)
     if HAS_MASK:
         p_mask = (MASK + tl.cast(b, tl.int64) * stride_mb + h * stride_mh
@@ -58,6 +63,16 @@ def score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softca
             m_in = m_in & (j2 >= pos - win_left)
         s2 = tl.where(m_in, s2, float("-inf"))
     return s2, t
+
+
+@triton.jit
+def load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI: tl.constexpr):
+    """The ALiBi slope of (b, h); 0.0 (unused) without ALiBi."""
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + b * stride_ab + h * stride_ah)
+    else:
+        slope = 0.0
+    return slope
 
 
 @triton.jit
