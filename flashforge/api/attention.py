@@ -153,10 +153,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         right = 0
     mask4 = _normalise_mask(mask, q, rank, B, Hq, Sq, Sk)
     dropout_p = check_float("dropout_p", dropout_p, minimum=0.0, below=1.0)
-    if dropout_p > 0.0:
-        seed = draw_seed() if seed is None else check_int("seed", seed, minimum=0, maximum=MAX_SEED - 1)
-    else:
-        seed = 0 if seed is None else check_int("seed", seed, minimum=0, maximum=MAX_SEED - 1)
+    seed_tensor = draw_seed() if seed is None and dropout_p > 0.0 else None
+    seed = 0 if seed is None else check_int("seed", seed, minimum=0, maximum=MAX_SEED - 1)
     scale = check_float("scale", scale, allow_none=True)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
@@ -171,7 +169,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                         deterministic=bool(deterministic), allow_tf32=bool(allow_tf32))
     # only the last dim needs unit stride; copy once here otherwise
     q4, k4, v4 = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (q4, k4, v4))
-    o, lse = attention_function(q4, k4, v4, mask4, params, backend)
+    o, lse = attention_function(q4, k4, v4, mask4, params, backend, seed_tensor)
 
     if rank == 2:
         o, lse = o[0, :, 0], lse[0, 0]

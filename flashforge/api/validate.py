@@ -44,7 +44,7 @@ def check_float(name: str, value, *, minimum: Optional[float] = None, below: Opt
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r})")
     value = float(value)
-    if not math.isfinite(value):
+    if not -math.inf < value < math.inf:  # NaN fails too; math.isfinite would break torch.compile's trace
         raise ValueError(f"{name} must be finite, got {value}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
@@ -86,7 +86,8 @@ def check_backend(backend) -> Optional[str]:
     return backend
 
 
-def draw_seed() -> int:
-    """A fresh seed from torch's default (CPU) generator: follows torch.manual_seed,
-    and never synchronises a GPU."""
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+def draw_seed() -> torch.Tensor:
+    """A fresh seed from torch's default (CPU) generator, as an int64 CPU scalar tensor:
+    it follows torch.manual_seed, never synchronises a GPU, and is read only inside
+    the attention op, so torch.compile traces the call without a graph break."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64)

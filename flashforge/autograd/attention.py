@@ -1,5 +1,12 @@
-"""Autograd for attention: forward saves (q, k, v, mask, o, lse); backward
-recomputes P from lse (SPEC section 3) in the chosen backend."""
+"""Attention as `torch.library` custom ops with registered autograd.
+
+`flashforge::attention_fwd` returns (o, lse); its backward is the op
+`flashforge::attention_bwd`, which recomputes P from lse (SPEC section 3).
+Both have fake (meta) implementations, so `torch.compile(fullgraph=True)`
+traces them without graph breaks and with symbolic sequence lengths.  The
+ops take only tensors and scalars: `AttnParams` is flattened into the
+schema here and rebuilt inside.
+"""
 from __future__ import annotations
 
 import importlib
@@ -19,46 +26,105 @@ def _backend(name: str):
         raise ValueError(f"backend={name!r} is not available here: {e}") from e
 
 
-def _empty_result(q, v, params: AttnParams):
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _params(scale, window_left, window_right, offset, offset_tensor, softcap, alibi_slopes, dropout_p, seed,
+            seed_tensor, deterministic, allow_tf32) -> AttnParams:
+    if seed_tensor is not None:  # drawn at call time on the host: read here, inside the op, not in a graph
+        seed = int(seed_tensor.item())
+    return AttnParams(scale=scale, window_left=window_left, window_right=window_right, offset=offset,
+                      offset_tensor=offset_tensor, softcap=softcap, alibi_slopes=alibi_slopes,
+                      dropout_p=dropout_p, seed=seed, deterministic=deterministic, allow_tf32=allow_tf32)
+
+
+@torch.library.custom_op("flashforge::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                  offset_tensor: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                  seed_tensor: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
+                  offset: int, softcap: float, dropout_p: float, seed: int, deterministic: bool,
+                  allow_tf32: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     B, Sq, Hq, _ = q.shape
-    o = torch.zeros(B, Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # as the backends give it
-    lse = torch.full((B, Hq, Sq), float("-inf"), dtype=lse_dtype, device=q.device)
-    return o, lse
+    if q.numel() == 0 or k.shape[1] == 0:
+        o = torch.zeros(B, Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
+        return o, torch.full((B, Hq, Sq), float("-inf"), dtype=_lse_dtype(q), device=q.device)
+    params = _params(scale, window_left, window_right, offset, offset_tensor, softcap, alibi_slopes, dropout_p,
+                     seed, seed_tensor, deterministic, allow_tf32)
+    return _backend(backend).attention_forward(q, k, v, mask, params)
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, mask, params: AttnParams, backend: str):
-        if q.numel() == 0 or k.shape[1] == 0:
-            o, lse = _empty_result(q, v, params)
-        else:
-            o, lse = _backend(backend).attention_forward(q, k, v, mask, params)
-        ctx.save_for_backward(q, k, v, mask, o, lse)
-        ctx.params, ctx.backend = params, backend
-        ctx.set_materialize_grads(False)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do: Optional[torch.Tensor], dlse: Optional[torch.Tensor]):
-        q, k, v, mask, o, lse = ctx.saved_tensors
-        need_dmask = mask is not None and ctx.needs_input_grad[3]
-        if (do is None and dlse is None) or q.numel() == 0 or k.shape[1] == 0:
-            dmask = torch.zeros_like(mask) if need_dmask else None
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask, None, None
-        if do is None:
-            do = torch.zeros_like(o)
-        elif do.stride(-1) != 1:
-            do = do.contiguous()
-        if dlse is not None:
-            dlse = dlse.to(lse.dtype).contiguous()
-        dq, dk, dv, dmask = _backend(ctx.backend).attention_backward(
-            do, dlse, q, k, v, mask, o, lse, ctx.params, need_dmask)
-        if dmask is not None:
-            dmask = dmask.to(mask.dtype)
-        return dq, dk, dv, dmask, None, None
+@attention_fwd.register_fake
+def _(q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor, scale, window_left, window_right, offset, softcap,
+      dropout_p, seed, deterministic, allow_tf32, backend):
+    B, Sq, Hq, _ = q.shape
+    o = q.new_empty(B, Sq, Hq, v.shape[-1])
+    return o, q.new_empty(B, Hq, Sq, dtype=_lse_dtype(q))
 
 
-def attention_function(q, k, v, mask, params: AttnParams, backend: str):
-    """Differentiable attention on validated BSHD tensors; returns (o, lse)."""
-    return _Attention.apply(q, k, v, mask, params, backend)
+@torch.library.custom_op("flashforge::attention_bwd", mutates_args=())
+def attention_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, mask: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor,
+                  offset_tensor: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                  seed_tensor: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
+                  offset: int, softcap: float, dropout_p: float, seed: int, deterministic: bool,
+                  allow_tf32: bool, backend: str, need_dmask: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dmask); dmask is float32 of the mask's shape, or empty when not asked for."""
+    if q.numel() == 0 or k.shape[1] == 0:
+        dmask = torch.zeros(mask.shape, dtype=torch.float32, device=q.device) if need_dmask else q.new_empty(0)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    params = _params(scale, window_left, window_right, offset, offset_tensor, softcap, alibi_slopes, dropout_p,
+                     seed, seed_tensor, deterministic, allow_tf32)
+    dq, dk, dv, dmask = _backend(backend).attention_backward(do, dlse, q, k, v, mask, o, lse, params, need_dmask)
+    # outputs of a custom op may not alias its inputs or each other
+    return dq, dk, dv, (dmask.float() if dmask is not None else q.new_empty(0))
+
+
+@attention_bwd.register_fake
+def _(do, dlse, q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor, scale, window_left, window_right,
+      offset, softcap, dropout_p, seed, deterministic, allow_tf32, backend, need_dmask):
+    dmask = q.new_empty(mask.shape, dtype=torch.float32) if need_dmask else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+
+
+# the scalar arguments, in schema order, after the tensors (q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor)
+_SCALARS = ("scale", "window_left", "window_right", "offset", "softcap", "dropout_p", "seed", "deterministic",
+            "allow_tf32", "backend")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor = inputs[:7]
+    o, lse = output
+    ctx.save_for_backward(q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor)
+    ctx.scalars = inputs[7:]
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor = ctx.saved_tensors
+    need_dmask = mask is not None and ctx.needs_input_grad[3]
+    if do is None:
+        do = torch.zeros_like(o)
+    if dlse is not None:
+        dlse = dlse.to(lse.dtype).contiguous()
+    dq, dk, dv, dmask = attention_bwd(do, dlse, q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor,
+                                      *ctx.scalars, need_dmask)
+    return (dq, dk, dv, dmask.to(mask.dtype) if need_dmask else None) + (None,) * (3 + len(_SCALARS))
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention_function(q, k, v, mask, params: AttnParams, backend: str, seed_tensor: Optional[torch.Tensor] = None):
+    """Differentiable attention on validated BSHD tensors; returns (o, lse).
+
+    ``seed_tensor`` (an int64 CPU scalar) replaces ``params.seed`` when given: the
+    public layer draws unseeded dropout seeds as a tensor so that tracing never
+    reads a value on the host.
+    """
+    return torch.ops.flashforge.attention_fwd(
+        q, k, v, mask, params.offset_tensor, params.alibi_slopes, seed_tensor, params.scale, params.window_left,
+        params.window_right, params.offset, params.softcap, params.dropout_p, params.seed, params.deterministic,
+        params.allow_tf32, backend)

@@ -1,6 +1,11 @@
-"""Autograd for RoPE: the backward is the inverse rotation of the gradient, so
-nothing but the positions is saved, and the in-place form can be differentiated
-(the input is marked dirty; its old values are never needed)."""
+"""RoPE as `torch.library` custom ops.
+
+`flashforge::rope` is functional; its gradient is the same op with the inverse
+rotation, so nothing but the positions is saved.  `flashforge::rope_` rotates
+in place and has no autograd: in-place calls that need a gradient run the
+functional op and copy the result back (autograd differentiates the copy).
+Both have fake implementations, so `torch.compile(fullgraph=True)` traces them.
+"""
 from __future__ import annotations
 
 import importlib
@@ -20,25 +25,55 @@ def _backend(name: str):
         raise ValueError(f"backend={name!r} is not available here: {e}") from e
 
 
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pos, position_ids, params: RopeParams, backend: str, inplace: bool):
-        y = _backend(backend).rope(x, pos, position_ids, params, out=x if inplace else None)
-        if inplace:
-            ctx.mark_dirty(x)
-        ctx.save_for_backward(pos, position_ids)
-        ctx.params, ctx.backend = params, backend
-        return y
+@torch.library.custom_op("flashforge::rope", mutates_args=())
+def rope(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], theta: float,
+         rotary_dim: int, interleaved: bool, pos_base: int, inverse: bool, backend: str) -> torch.Tensor:
+    params = RopeParams(theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, pos_base=pos_base)
+    return _backend(backend).rope(x, pos, position_ids, params, inverse=inverse)
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        pos, position_ids = ctx.saved_tensors
-        dx = _backend(ctx.backend).rope(dy, pos, position_ids, ctx.params, inverse=True)
-        return dx, None, None, None, None, None
+
+@rope.register_fake
+def _(x, pos, position_ids, theta, rotary_dim, interleaved, pos_base, inverse, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("flashforge::rope_", mutates_args=("x",))
+def rope_(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], theta: float,
+          rotary_dim: int, interleaved: bool, pos_base: int, backend: str) -> None:
+    params = RopeParams(theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, pos_base=pos_base)
+    _backend(backend).rope(x, pos, position_ids, params, out=x)
+
+
+@rope_.register_fake
+def _(x, pos, position_ids, theta, rotary_dim, interleaved, pos_base, backend):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    x, pos, position_ids = inputs[:3]
+    ctx.save_for_backward(pos, position_ids)
+    ctx.scalars = inputs[3:]
+
+
+def _backward(ctx, dy):
+    pos, position_ids = ctx.saved_tensors
+    theta, rotary_dim, interleaved, pos_base, inverse, backend = ctx.scalars
+    dx = rope(dy.contiguous() if dy.stride(-1) != 1 else dy, pos, position_ids, theta, rotary_dim, interleaved,
+              pos_base, not inverse, backend)
+    return dx, None, None, None, None, None, None, None, None
+
+
+rope.register_autograd(_backward, setup_context=_setup_context)
 
 
 def rope_function(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                   params: RopeParams, backend: str, inplace: bool = False) -> torch.Tensor:
     """Differentiable RoPE on a validated ``x [B, S, H, D]``; ``pos`` int ``[B]`` or None,
     ``position_ids`` int ``[B, S]`` or None.  With ``inplace`` x is overwritten and returned."""
-    return _Rope.apply(x, pos, position_ids, params, backend, inplace)
+    args = (pos, position_ids, params.theta, params.rotary_dim, params.interleaved, params.pos_base)
+    if not inplace:
+        return torch.ops.flashforge.rope(x, *args, False, backend)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return x.copy_(torch.ops.flashforge.rope(x, *args, False, backend))
+    torch.ops.flashforge.rope_(x, *args, backend)
+    return x
