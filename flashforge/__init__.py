@@ -4,5 +4,8 @@ from . import reference
 from .api.attention import attention
 from .api.dropout import dropout_mask
 from .api.rope import apply_rope
+from .api.varlen import attention_varlen
+from .interfaces.sdpa import scaled_dot_product_attention
 
-__all__ = ["__version__", "apply_rope", "attention", "dropout_mask", "reference"]
+__all__ = ["__version__", "apply_rope", "attention", "attention_varlen", "dropout_mask", "reference",
+           "scaled_dot_product_attention"]

@@ -50,6 +50,13 @@ def attention(q, k, v, *, causal=False, causal_offset: Union[int, torch.Tensor] 
     v ``[B, Sk, Hkv, Dv]`` -> o ``[B, Sq, Hq, Dv]`` (and lse ``[B, Hq, Sq]``)."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
+    if isinstance(causal_offset, str):  # "bottom_right": the queries are the last Sq of Sk positions
+        causal_offset = Sk - Sq
+    if Sk == 0:  # nothing to attend to: o = 0, lse = -inf (kept on the autograd graph, zero gradients)
+        zero = 0.0 * (q.sum() + k.sum() + v.sum())
+        o = q.new_zeros(B, Sq, Hq, v.shape[-1]) + zero
+        lse = torch.full((B, Hq, Sq), float("-inf"), dtype=q.dtype, device=q.device) + zero
+        return (o, lse.float() if q.dtype != torch.float64 else lse) if return_lse else o
     g = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qh = q.transpose(1, 2)  # [B, Hq, Sq, D]

@@ -91,6 +91,8 @@ DROPOUT_SOFTCAP = [
     case("softcap-30-sharp", Sq=17, Sk=33, softcap=30.0, input_scale=4.0),
     case("softcap-causal-bias-grad", Sq=17, Sk=17, softcap=2.0, causal=True, mask="float_grad"),
     case("softcap-dropout-window", Sq=17, Sk=17, softcap=5.0, dropout_p=0.1, seed=3, window=(3, 3)),
+    case("causal-bottom-right-Sq<Sk", Sq=17, Sk=33, causal=True, causal_offset="bottom_right"),
+    case("window-bottom-right-Sq>Sk", Sq=33, Sk=17, window=(4, 2), causal_offset="bottom_right"),
     # ALiBi: -slope * |i + offset - j| after softcap, slopes [Hq] or [B, Hq]
     case("alibi-H", Sq=17, Sk=33, Hq=4, Hkv=2, alibi="H"),
     case("alibi-BH-causal-offset-tensor", Sq=17, Sk=33, Hq=4, Hkv=1, alibi="BH", causal=True,

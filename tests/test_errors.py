@@ -122,10 +122,12 @@ CASES = [
                  id="window-float"),
     # causal and its offset
     pytest.param(TypeError, r"causal must be a bool, got str", dict(causal="yes"), id="causal-str"),
-    pytest.param(TypeError, r"causal_offset must be an int or an int32/int64 tensor \[B\], got float \(1\.5\)",
-                 dict(causal_offset=1.5), id="offset-float"),
-    pytest.param(TypeError, r"causal_offset must be an int or an int32/int64 tensor \[B\], got bool",
+    pytest.param(TypeError, r"causal_offset must be an int, an int32/int64 tensor \[B\] or 'bottom_right', "
+                 r"got float \(1\.5\)", dict(causal_offset=1.5), id="offset-float"),
+    pytest.param(TypeError, r"causal_offset must be an int, an int32/int64 tensor \[B\] or 'bottom_right', got bool",
                  dict(causal=True, causal_offset=True), id="offset-bool"),
+    pytest.param(ValueError, r"causal_offset string must be 'bottom_right' \(offset Sk - Sq per sequence\), "
+                 r"got 'top_left'", dict(causal=True, causal_offset="top_left"), id="offset-str"),
     pytest.param(ValueError, r"causal_offset tensor has dtype torch\.float32; accepted: int32 or int64",
                  dict(causal=True, causal_offset=torch.zeros(B)), id="offset-tensor-float"),
     pytest.param(ValueError, r"causal_offset tensor has shape \(3,\); accepted: \[B\] = \[2\]",

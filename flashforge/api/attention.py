@@ -50,7 +50,13 @@ def _normalise_mask(mask, q: torch.Tensor, rank: int, B: int, Hq: int, Sq: int, 
     return m
 
 
-def _normalise_offset(causal_offset, q: torch.Tensor, B: int) -> tuple[int, Optional[torch.Tensor]]:
+def _normalise_offset(causal_offset, q: torch.Tensor, B: int) -> tuple[int, Optional[torch.Tensor], bool]:
+    """(int offset, per-batch int32 tensor or None, bottom-right flag)."""
+    if isinstance(causal_offset, str):
+        if causal_offset != "bottom_right":
+            raise ValueError(f"causal_offset string must be 'bottom_right' (offset Sk - Sq per sequence), "
+                             f"got {causal_offset!r}")
+        return 0, None, True
     if isinstance(causal_offset, torch.Tensor):
         if causal_offset.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"causal_offset tensor has dtype {causal_offset.dtype}; accepted: int32 or int64")
@@ -58,11 +64,11 @@ def _normalise_offset(causal_offset, q: torch.Tensor, B: int) -> tuple[int, Opti
             raise ValueError(f"causal_offset tensor has shape {tuple(causal_offset.shape)}; accepted: [B] = [{B}]")
         if causal_offset.device != q.device:
             raise ValueError(f"causal_offset is on {causal_offset.device} but q is on {q.device}")
-        return 0, causal_offset.to(torch.int32).contiguous()
+        return 0, causal_offset.to(torch.int32).contiguous(), False
     if isinstance(causal_offset, bool) or not isinstance(causal_offset, int):
-        raise TypeError(f"causal_offset must be an int or an int32/int64 tensor [B], "
+        raise TypeError(f"causal_offset must be an int, an int32/int64 tensor [B] or 'bottom_right', "
                         f"got {type(causal_offset).__name__} ({causal_offset!r})")
-    return causal_offset, None
+    return causal_offset, None, False
 
 
 def _normalise_slopes(alibi_slopes, q: torch.Tensor, B: int, Hq: int) -> Optional[torch.Tensor]:
@@ -80,6 +86,74 @@ def _normalise_slopes(alibi_slopes, q: torch.Tensor, B: int, Hq: int) -> Optiona
     return alibi_slopes.detach().to(torch.float32).expand(B, Hq)
 
 
+def check_qkv_rank(q, k, v, ranks: tuple, layouts: str) -> int:
+    """Types, rank (one of ``ranks``, equal for all three), dtype and device of q, k, v."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+    rank = q.dim()
+    if rank not in ranks:
+        raise ValueError(f"q has rank {rank} (shape {tuple(q.shape)}); accepted: {layouts}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != rank:
+            raise ValueError(f"{name} has rank {t.dim()} (shape {tuple(t.shape)}) but q has rank {rank}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float_dtype(name, t)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_same_device(("q", "k", "v"), (q, k, v))
+    return rank
+
+
+def check_heads_and_dims(q4, k4, v4) -> None:
+    """Sequence lengths of k/v, head counts (GQA) and head dims of BSHD views."""
+    Hq, D = q4.shape[2:]
+    Sk, Hkv, Dk = k4.shape[1:]
+    Skv, Hv, Dv = v4.shape[1:]
+    if Skv != Sk:
+        raise ValueError(f"k and v must have the same sequence length; got {Sk} and {Skv}")
+    if Hv != Hkv:
+        raise ValueError(f"k and v must have the same number of heads; got {Hkv} and {Hv}")
+    if Dk != D:
+        raise ValueError(f"head_dim of q ({D}) and k ({Dk}) must match")
+    for name, d in (("head_dim of q/k", D), ("head_dim of v", Dv)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} is {d}; accepted: 1..{MAX_HEAD_DIM}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"num_heads ({Hq}) must be a multiple of num_kv_heads ({Hkv})")
+
+
+def build_params(q4, B: int, *, causal, causal_offset, window, dropout_p, seed, scale, softcap, alibi_slopes,
+                 deterministic, allow_tf32, backend, **varlen):
+    """Validate the options shared by every attention entry point: (AttnParams, seed tensor or None, backend)."""
+    Hq, D = q4.shape[2], q4.shape[3]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    offset, offset_tensor, bottom_right = _normalise_offset(causal_offset, q4, B)
+    left, right = check_window(window)
+    if causal:
+        right = 0
+    dropout_p = check_float("dropout_p", dropout_p, minimum=0.0, below=1.0)
+    seed_tensor = draw_seed() if seed is None and dropout_p > 0.0 else None
+    seed = 0 if seed is None else check_int("seed", seed, minimum=0, maximum=MAX_SEED - 1)
+    scale = check_float("scale", scale, allow_none=True)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    softcap = check_float("softcap", softcap, minimum=0.0)
+    backend = check_backend(backend)
+    if backend is None:
+        backend = "triton" if q4.device.type == "cuda" else "torch"
+    params = AttnParams(scale=scale, window_left=left, window_right=right, offset=offset,
+                        offset_tensor=offset_tensor, offset_bottom_right=bottom_right, softcap=softcap,
+                        alibi_slopes=_normalise_slopes(alibi_slopes, q4, B, Hq), dropout_p=dropout_p, seed=seed,
+                        deterministic=bool(deterministic), allow_tf32=bool(allow_tf32), **varlen)
+    return params, seed_tensor, backend
+
+
+def unit_last_stride(*tensors):
+    """Only the last dim needs unit stride: copy once here otherwise."""
+    return tuple(t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in tensors)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               causal_offset: Union[int, torch.Tensor] = 0, window=None, mask: Optional[torch.Tensor] = None,
               dropout_p: float = 0.0, seed: Optional[int] = None, scale: Optional[float] = None,
@@ -92,7 +166,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         k: ``[B, Sk, Hkv, D]``; ``Hq % Hkv == 0`` (grouped-query attention).
         v: ``[B, Sk, Hkv, Dv]``.
         causal: key j visible from query i iff ``j <= i + causal_offset`` (top-left by default).
-        causal_offset: int, or int32/int64 tensor ``[B]`` (per-sequence, e.g. KV-cache lengths).
+        causal_offset: int, int32/int64 tensor ``[B]`` (per-sequence, e.g. KV-cache lengths), or
+            ``"bottom_right"`` (``Sk - Sq``: the queries are the last Sq of Sk positions, flash-attn's alignment).
         window: None, int w (``|i + off - j| < w``) or ``(left, right)`` with -1 = unbounded;
             with ``causal`` the right side is 0.
         mask: bool (True = keep) or float (additive bias) tensor broadcastable to
@@ -112,63 +187,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Returns:
         ``o [B, Sq, Hq, Dv]`` in q's dtype, or ``(o, lse)`` if ``return_lse``.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t)
-    rank = q.dim()
-    if rank not in (2, 3, 4):
-        raise ValueError(f"q has rank {rank} (shape {tuple(q.shape)}); accepted: [B, Sq, Hq, D], "
-                         f"[N, S, D] or [S, D]")
-    for name, t in (("k", k), ("v", v)):
-        if t.dim() != rank:
-            raise ValueError(f"{name} has rank {t.dim()} (shape {tuple(t.shape)}) but q has rank {rank}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float_dtype(name, t)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    check_same_device(("q", "k", "v"), (q, k, v))
-
+    rank = check_qkv_rank(q, k, v, (2, 3, 4), "[B, Sq, Hq, D], [N, S, D] or [S, D]")
     q4, k4, v4 = (_as_bshd(n, t, rank) for n, t in (("q", q), ("k", k), ("v", v)))
     B, Sq, Hq, D = q4.shape
-    Bk, Sk, Hkv, Dk = k4.shape
-    Bv, Skv, Hv, Dv = v4.shape
-    if Bk != B or Bv != B:
-        raise ValueError(f"batch sizes differ: q has {B}, k has {Bk}, v has {Bv}")
-    if Skv != Sk:
-        raise ValueError(f"k and v must have the same sequence length; got {Sk} and {Skv}")
-    if Hv != Hkv:
-        raise ValueError(f"k and v must have the same number of heads; got {Hkv} and {Hv}")
-    if Dk != D:
-        raise ValueError(f"head_dim of q ({D}) and k ({Dk}) must match")
-    for name, d in (("head_dim of q/k", D), ("head_dim of v", Dv)):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"{name} is {d}; accepted: 1..{MAX_HEAD_DIM}")
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"num_heads ({Hq}) must be a multiple of num_kv_heads ({Hkv})")
-
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    offset, offset_tensor = _normalise_offset(causal_offset, q, B)
-    left, right = check_window(window)
-    if causal:
-        right = 0
+    Bk, Sk = k4.shape[:2]
+    if Bk != B or v4.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q has {B}, k has {Bk}, v has {v4.shape[0]}")
+    check_heads_and_dims(q4, k4, v4)
     mask4 = _normalise_mask(mask, q, rank, B, Hq, Sq, Sk)
-    dropout_p = check_float("dropout_p", dropout_p, minimum=0.0, below=1.0)
-    seed_tensor = draw_seed() if seed is None and dropout_p > 0.0 else None
-    seed = 0 if seed is None else check_int("seed", seed, minimum=0, maximum=MAX_SEED - 1)
-    scale = check_float("scale", scale, allow_none=True)
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    softcap = check_float("softcap", softcap, minimum=0.0)
-    backend = check_backend(backend)
-    if backend is None:
-        backend = "triton" if q.device.type == "cuda" else "torch"
-
-    slopes = _normalise_slopes(alibi_slopes, q, B, Hq)
-    params = AttnParams(scale=scale, window_left=left, window_right=right, offset=offset,
-                        offset_tensor=offset_tensor, softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p, seed=seed,
-                        deterministic=bool(deterministic), allow_tf32=bool(allow_tf32))
-    # only the last dim needs unit stride; copy once here otherwise
-    q4, k4, v4 = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in (q4, k4, v4))
+    params, seed_tensor, backend = build_params(
+        q4, B, causal=causal, causal_offset=causal_offset, window=window, dropout_p=dropout_p, seed=seed,
+        scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+        allow_tf32=allow_tf32, backend=backend)
+    q4, k4, v4 = unit_last_stride(q4, k4, v4)
     o, lse = attention_function(q4, k4, v4, mask4, params, backend, seed_tensor)
 
     if rank == 2:

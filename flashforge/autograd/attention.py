@@ -30,33 +30,38 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _params(scale, window_left, window_right, offset, offset_tensor, softcap, alibi_slopes, dropout_p, seed,
-            seed_tensor, deterministic, allow_tf32) -> AttnParams:
+def _params(offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale, window_left,
+            window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic, allow_tf32,
+            max_seqlen_q, max_seqlen_k) -> AttnParams:
     if seed_tensor is not None:  # drawn at call time on the host: read here, inside the op, not in a graph
         seed = int(seed_tensor.item())
     return AttnParams(scale=scale, window_left=window_left, window_right=window_right, offset=offset,
-                      offset_tensor=offset_tensor, softcap=softcap, alibi_slopes=alibi_slopes,
-                      dropout_p=dropout_p, seed=seed, deterministic=deterministic, allow_tf32=allow_tf32)
+                      offset_tensor=offset_tensor, offset_bottom_right=offset_bottom_right, softcap=softcap,
+                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, deterministic=deterministic,
+                      allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
 @torch.library.custom_op("flashforge::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                   offset_tensor: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                  seed_tensor: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
-                  offset: int, softcap: float, dropout_p: float, seed: int, deterministic: bool,
-                  allow_tf32: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  seed_tensor: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                  cu_seqlens_k: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
+                  offset: int, offset_bottom_right: bool, softcap: float, dropout_p: float, seed: int,
+                  deterministic: bool, allow_tf32: bool, max_seqlen_q: int, max_seqlen_k: int,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     B, Sq, Hq, _ = q.shape
     if q.numel() == 0 or k.shape[1] == 0:
         o = torch.zeros(B, Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
         return o, torch.full((B, Hq, Sq), float("-inf"), dtype=_lse_dtype(q), device=q.device)
-    params = _params(scale, window_left, window_right, offset, offset_tensor, softcap, alibi_slopes, dropout_p,
-                     seed, seed_tensor, deterministic, allow_tf32)
+    params = _params(offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale, window_left,
+                     window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic,
+                     allow_tf32, max_seqlen_q, max_seqlen_k)
     return _backend(backend).attention_forward(q, k, v, mask, params)
 
 
 @attention_fwd.register_fake
-def _(q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor, scale, window_left, window_right, offset, softcap,
-      dropout_p, seed, deterministic, allow_tf32, backend):
+def _(q, k, v, mask, *args):
     B, Sq, Hq, _ = q.shape
     o = q.new_empty(B, Sq, Hq, v.shape[-1])
     return o, q.new_empty(B, Hq, Sq, dtype=_lse_dtype(q))
@@ -66,52 +71,51 @@ def _(q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor, scale, window_lef
 def attention_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, mask: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor,
                   offset_tensor: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                  seed_tensor: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
-                  offset: int, softcap: float, dropout_p: float, seed: int, deterministic: bool,
-                  allow_tf32: bool, backend: str, need_dmask: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  seed_tensor: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                  cu_seqlens_k: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
+                  offset: int, offset_bottom_right: bool, softcap: float, dropout_p: float, seed: int,
+                  deterministic: bool, allow_tf32: bool, max_seqlen_q: int, max_seqlen_k: int, backend: str,
+                  need_dmask: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dmask); dmask is float32 of the mask's shape, or empty when not asked for."""
     if q.numel() == 0 or k.shape[1] == 0:
         dmask = torch.zeros(mask.shape, dtype=torch.float32, device=q.device) if need_dmask else q.new_empty(0)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
     if do.stride(-1) != 1:
         do = do.contiguous()
-    params = _params(scale, window_left, window_right, offset, offset_tensor, softcap, alibi_slopes, dropout_p,
-                     seed, seed_tensor, deterministic, allow_tf32)
+    params = _params(offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale, window_left,
+                     window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic,
+                     allow_tf32, max_seqlen_q, max_seqlen_k)
     dq, dk, dv, dmask = _backend(backend).attention_backward(do, dlse, q, k, v, mask, o, lse, params, need_dmask)
     # outputs of a custom op may not alias its inputs or each other
     return dq, dk, dv, (dmask.float() if dmask is not None else q.new_empty(0))
 
 
 @attention_bwd.register_fake
-def _(do, dlse, q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor, scale, window_left, window_right,
-      offset, softcap, dropout_p, seed, deterministic, allow_tf32, backend, need_dmask):
+def _(do, dlse, q, k, v, mask, o, lse, *args):
+    need_dmask = args[-1]
     dmask = q.new_empty(mask.shape, dtype=torch.float32) if need_dmask else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
-# the scalar arguments, in schema order, after the tensors (q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor)
-_SCALARS = ("scale", "window_left", "window_right", "offset", "softcap", "dropout_p", "seed", "deterministic",
-            "allow_tf32", "backend")
+_N_TENSORS = 9  # q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor = inputs[:7]
     o, lse = output
-    ctx.save_for_backward(q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor)
-    ctx.scalars = inputs[7:]
+    ctx.save_for_backward(*inputs[:4], o, lse, *inputs[4:_N_TENSORS])
+    ctx.scalars = inputs[_N_TENSORS:]
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor = ctx.saved_tensors
+    q, k, v, mask, o, lse, *aux = ctx.saved_tensors
     need_dmask = mask is not None and ctx.needs_input_grad[3]
     if do is None:
         do = torch.zeros_like(o)
     if dlse is not None:
         dlse = dlse.to(lse.dtype).contiguous()
-    dq, dk, dv, dmask = attention_bwd(do, dlse, q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor,
-                                      *ctx.scalars, need_dmask)
-    return (dq, dk, dv, dmask.to(mask.dtype) if need_dmask else None) + (None,) * (3 + len(_SCALARS))
+    dq, dk, dv, dmask = attention_bwd(do, dlse, q, k, v, mask, o, lse, *aux, *ctx.scalars, need_dmask)
+    return (dq, dk, dv, dmask.to(mask.dtype) if need_dmask else None) + (None,) * (
+        _N_TENSORS - 4 + len(ctx.scalars))
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -124,7 +128,8 @@ def attention_function(q, k, v, mask, params: AttnParams, backend: str, seed_ten
     public layer draws unseeded dropout seeds as a tensor so that tracing never
     reads a value on the host.
     """
+    p = params
     return torch.ops.flashforge.attention_fwd(
-        q, k, v, mask, params.offset_tensor, params.alibi_slopes, seed_tensor, params.scale, params.window_left,
-        params.window_right, params.offset, params.softcap, params.dropout_p, params.seed, params.deterministic,
-        params.allow_tf32, backend)
+        q, k, v, mask, p.offset_tensor, p.alibi_slopes, seed_tensor, p.cu_seqlens_q, p.cu_seqlens_k, p.scale,
+        p.window_left, p.window_right, p.offset, p.offset_bottom_right, p.softcap, p.dropout_p, p.seed,
+        p.deterministic, p.allow_tf32, p.max_seqlen_q, p.max_seqlen_k, backend)

@@ -24,6 +24,7 @@ reproducible: ``params.deterministic`` needs nothing more.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterator, Optional
 
 import torch
@@ -124,16 +125,18 @@ class _Tiles:
         self.slopes = None if slopes is None else slopes.to(self.acc).reshape(B, Hkv, 1, self.G, 1)
         self.rows = torch.arange(Sq, device=dev).view(1, 1, Sq, 1, 1)
         self.cols = torch.arange(Sk, device=dev).view(1, 1, 1, 1, Sk)
+        shift = Sk - Sq if params.offset_bottom_right else 0
         if params.offset_tensor is None:
-            self.offset = params.offset
-            self.offsets = [params.offset]
+            self.offset = params.offset + shift
+            self.offsets = [self.offset]
         else:
-            self.offset = params.offset_tensor.to(torch.int64).view(B, 1, 1, 1, 1)
+            self.offset = params.offset_tensor.to(torch.int64).view(B, 1, 1, 1, 1) + shift
             # The only host sync of the call: tile bounds are Python ints.
-            self.offsets = sorted(set(params.offset_tensor.tolist()))
+            self.offsets = sorted(set(o + shift for o in params.offset_tensor.tolist()))
         self.off_min, self.off_max = self.offsets[0], self.offsets[-1]
         if params.has_dropout:
-            self.bh = torch.arange(B * Hq, device=dev).view(B, Hkv, 1, self.G, 1)  # b*Hq + h
+            base = params.dropout_batch_base * Hq
+            self.bh = torch.arange(base, base + B * Hq, device=dev).view(B, Hkv, 1, self.G, 1)  # b*Hq + h
 
     def row_blocks(self) -> Iterator[tuple[int, int]]:
         for r0 in range(0, self.Sq, QUERY_BLOCK):
@@ -210,6 +213,38 @@ class _Tiles:
         return keep.view(self.B * self.Hkv, (r1 - r0) * self.G, c1 - c0)
 
 
+def _sequences(params: AttnParams) -> Iterator[tuple[int, slice, slice, AttnParams]]:
+    """A packed batch, one dense call per sequence: (b, its q rows, its k rows, its params)."""
+    cu_q = params.cu_seqlens_q.tolist()  # host sync: this path loops over sequences in Python
+    cu_k = params.cu_seqlens_k.tolist()
+    offsets = params.offset_tensor.tolist() if params.offset_tensor is not None else None
+    for b in range(len(cu_q) - 1):
+        one = replace(params, cu_seqlens_q=None, cu_seqlens_k=None, offset_tensor=None,
+                      offset=params.offset if offsets is None else offsets[b],
+                      alibi_slopes=None if params.alibi_slopes is None else params.alibi_slopes[b:b + 1],
+                      dropout_batch_base=b)
+        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), one
+
+
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tuple[Tensor, Tensor]:
+    o = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((1, q.shape[2], q.shape[1]), _NEG_INF, dtype=_acc_dtype(q.dtype), device=q.device)
+    for _, rq, rk, one in _sequences(params):
+        if rq.stop > rq.start and rk.stop > rk.start:
+            o[:, rq], lse[:, :, rq] = attention_forward(q[:, rq], k[:, rk], v[:, rk], None, one)
+    return o, lse
+
+
+def _varlen_backward(do, dlse, q, k, v, o, lse, params: AttnParams) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for _, rq, rk, one in _sequences(params):
+        if rq.stop > rq.start and rk.stop > rk.start:
+            dq[:, rq], dk[:, rk], dv[:, rk], _ = attention_backward(
+                do[:, rq], None if dlse is None else dlse[:, :, rq], q[:, rq], k[:, rk], v[:, rk], None,
+                o[:, rq], lse[:, :, rq], one, False)
+    return dq, dk, dv
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                       params: AttnParams) -> tuple[Tensor, Tensor]:
     """Attention on validated BSHD tensors.
@@ -222,8 +257,11 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
 
     Returns:
         ``o [B, Sq, Hq, Dv]`` in q's dtype and ``lse [B, Hq, Sq]`` (float32; float64 for float64
-        inputs), -inf on fully masked rows, where o is 0.
+        inputs), -inf on fully masked rows, where o is 0.  A packed batch (``params.is_varlen``)
+        runs one sequence at a time.
     """
+    if params.is_varlen:
+        return _varlen_forward(q, k, v, params)
     t = _Tiles(q, k, v, mask, params)
     B, Hq, G, Sq = t.B, t.Hq, t.G, t.Sq
     BH, Dv = B * t.Hkv, v.shape[-1]
@@ -272,6 +310,8 @@ def attention_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
         gradient of the score (after softcap, before visibility) summed over the mask's broadcast dims,
         shaped like the mask, float32 (float64 for float64 inputs).
     """
+    if params.is_varlen:
+        return (*_varlen_backward(do, dlse, q, k, v, o, lse, params), None)
     t = _Tiles(q, k, v, mask, params)
     G = t.G
     BH = t.B * t.Hkv

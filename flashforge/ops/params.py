@@ -28,12 +28,27 @@ class AttnParams:
     window_right: int = -1  # -1: unbounded; causal is right = 0
     offset: int = 0  # used when offset_tensor is None
     offset_tensor: Optional[torch.Tensor] = None  # int32 [B], same device as q
+    offset_bottom_right: bool = False  # add Sk_b - Sq_b to each sequence's offset (flash-attn's alignment)
     softcap: float = 0.0  # 0: off
     alibi_slopes: Optional[torch.Tensor] = None  # float32 [B, Hq] (stride 0 where broadcast), same device as q
     dropout_p: float = 0.0
     seed: int = 0  # 0 <= seed < 2**63; only read when dropout_p > 0
     deterministic: bool = False
     allow_tf32: bool = False  # float32 inputs: full IEEE products unless opted in
+    # Packed variable-length batch: q [1, total_q, Hq, D], k/v [1, total_k, Hkv, *];
+    # sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (int32 [B+1], same device);
+    # lse is [1, Hq, total_q].  max_seqlen_* size the grids (no host sync).
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    # batch index of this call's first sequence in the dropout counter (the CPU path
+    # runs a packed batch one sequence at a time)
+    dropout_batch_base: int = 0
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
 
     @property
     def has_window(self) -> bool:

@@ -40,17 +40,20 @@ def _mask_args(mask: Optional[torch.Tensor], q: torch.Tensor):
 
 
 def _common_args(q, params: AttnParams):
-    """(offsets, alibi, its 2 strides), scalar arguments and constexpr flags shared by every attention kernel."""
+    """(offsets, alibi, its 2 strides, cu_seqlens_q, cu_seqlens_k), scalar arguments and
+    constexpr flags shared by every attention kernel."""
     per_batch = params.offset_tensor is not None
     offsets = params.offset_tensor if per_batch else q
     slopes = params.alibi_slopes
     tensors = (offsets, q, 0, 0) if slopes is None else (offsets, slopes, slopes.stride(0), slopes.stride(1))
+    tensors += (params.cu_seqlens_q, params.cu_seqlens_k) if params.is_varlen else (offsets, offsets)
     scalars = (params.scale, params.softcap if params.softcap > 0 else 1.0, params.offset,
                params.window_left, params.window_right, params.seed, keep_threshold(params.dropout_p),
                1.0 / (1.0 - params.dropout_p))
     flags = dict(HAS_WL=params.window_left >= 0, HAS_WR=params.window_right >= 0,
                  OFFSET_PER_BATCH=per_batch, HAS_SOFTCAP=params.softcap > 0,
                  HAS_DROPOUT=params.dropout_p > 0, HAS_ALIBI=params.alibi_slopes is not None,
+                 IS_VARLEN=params.is_varlen, OFFSET_BR=params.offset_bottom_right,
                  DOT_PRECISION="tf32" if params.allow_tf32 or q.dtype != torch.float32 else "ieee")
     return tensors, scalars, flags
 
@@ -62,23 +65,35 @@ def _padded(D: int, Dv: int) -> int:
     return head_dim_block(max(D, Dv))
 
 
-def _bshd_strides(x: torch.Tensor):
-    return x.stride(0), x.stride(1), x.stride(2)
+def _bshd_strides(x: torch.Tensor, varlen: bool = False):
+    # a packed batch is one [1, total, H, E] tensor: sequences are found through
+    # cu_seqlens, so the batch stride must not move the pointer
+    return 0 if varlen else x.stride(0), x.stride(1), x.stride(2)
+
+
+def _batch_and_lengths(q, k, params: AttnParams):
+    """(B, longest Sq, longest Sk): the grid's extent."""
+    if params.is_varlen:
+        return params.cu_seqlens_q.shape[0] - 1, params.max_seqlen_q, params.max_seqlen_k
+    return q.shape[0], q.shape[1], k.shape[1]
 
 
 def attention_forward(q, k, v, mask, params: AttnParams):
-    B, Sq, Hq, D = q.shape
+    _, Sq, Hq, D = q.shape  # Sq: rows per (b, h) of o and lse (a packed batch's total)
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    B, max_sq, _ = _batch_and_lengths(q, k, params)
+    vl = params.is_varlen
     interpret = _interpreting(q)
-    o = torch.empty(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+    o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
-    (offsets, alibi, s_ab, s_ah), scalars, flags = _common_args(q, params)
-    grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+    (offsets, alibi, s_ab, s_ah, cu_q, cu_k), scalars, flags = _common_args(q, params)
+    grid = (triton.cdiv(max_sq, cfg.block_m), B * Hq)
     attn_fwd_kernel[grid](
-        q, k, v, o, lse, mask_t, offsets, alibi,
-        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(o), *m_strides, s_ab, s_ah,
+        q, k, v, o, lse, mask_t, offsets, alibi, cu_q, cu_k,
+        *_bshd_strides(q, vl), *_bshd_strides(k, vl), *_bshd_strides(v, vl), *_bshd_strides(o, vl),
+        *m_strides, s_ab, s_ah,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
@@ -88,54 +103,54 @@ def attention_forward(q, k, v, mask, params: AttnParams):
 
 
 def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dmask: bool):
-    B, Sq, Hq, D = q.shape
+    _, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    B, max_sq, max_sk = _batch_and_lengths(q, k, params)
+    vl = params.is_varlen
     interpret = _interpreting(q)
     cfg_kv = get_config("bwd_kv", max(D, Dv), q.element_size(), interpret)
     cfg_q = get_config("bwd_q", max(D, Dv), q.element_size(), interpret)
     BD = _padded(D, Dv)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
-    (offsets, alibi, s_ab, s_ah), scalars, flags = _common_args(q, params)
+    (offsets, alibi, s_ab, s_ah, cu_q, cu_k), scalars, flags = _common_args(q, params)
 
     def tiles(cfg):
         return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BD, BLOCK_DV=BD,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
-    attn_bwd_preprocess_kernel[(triton.cdiv(Sq, cfg_q.block_m), B * Hq)](
-        o, do, dlse if dlse is not None else delta, delta,
-        *_bshd_strides(o), *_bshd_strides(do), Hq, Sq, Dv,
-        HAS_DLSE=dlse is not None, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
+    delta = torch.empty_like(lse)
+    attn_bwd_preprocess_kernel[(triton.cdiv(max_sq, cfg_q.block_m), B * Hq)](
+        o, do, dlse if dlse is not None else delta, delta, cu_q,
+        *_bshd_strides(o, vl), *_bshd_strides(do, vl), Hq, Sq, Dv,
+        HAS_DLSE=dlse is not None, IS_VARLEN=vl, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
     )
 
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg_kv.block_n), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi,
-        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
-        *_bshd_strides(dk), *_bshd_strides(dv), *m_strides, s_ab, s_ah,
+    strides_qkvdo = (*_bshd_strides(q, vl), *_bshd_strides(k, vl), *_bshd_strides(v, vl), *_bshd_strides(do, vl))
+    attn_bwd_dkdv_kernel[(triton.cdiv(max_sk, cfg_kv.block_n), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k,
+        *strides_qkvdo, *_bshd_strides(dk, vl), *_bshd_strides(dv, vl), *m_strides, s_ab, s_ah,
         Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv),
     )
-    attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg_q.block_m), B * Hq)](
-        q, k, v, do, lse, delta, dq, mask_t, offsets, alibi,
-        *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
-        *_bshd_strides(dq), *m_strides, s_ab, s_ah,
+    attn_bwd_dq_kernel[(triton.cdiv(max_sq, cfg_q.block_m), B * Hq)](
+        q, k, v, do, lse, delta, dq, mask_t, offsets, alibi, cu_q, cu_k,
+        *strides_qkvdo, *_bshd_strides(dq, vl), *m_strides, s_ab, s_ah,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_q),
     )
 
     dmask = None
-    if need_dmask:
+    if need_dmask:  # masks are for dense batches only (the public layer rejects them with cu_seqlens)
         Bm, Hm, Sqm, Skm = mask.shape
         dmask = torch.empty(Bm, Hm, Sqm, Skm, dtype=torch.float32, device=q.device)
         m_bcast, n_bcast = Sqm == 1 and Sq > 1, Skm == 1 and Sk > 1
         grid = (triton.cdiv(Sqm, cfg_q.block_m), triton.cdiv(Skm, cfg_q.block_n), Bm * Hm)
         attn_bwd_dmask_kernel[grid](
-            q, k, v, do, lse, delta, dmask, mask_t, offsets, alibi,
-            *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(do),
-            *m_strides, s_ab, s_ah, *dmask.stride(),
+            q, k, v, do, lse, delta, dmask, mask_t, offsets, alibi, cu_q, cu_k,
+            *strides_qkvdo, *m_strides, s_ab, s_ah, *dmask.stride(),
             B, Hq, Sq, Sk, D, Dv, Hq // Hkv, Hm, Sqm, Skm, *scalars,
             MASK_BOOL=mask_bool, **flags,
             B_BCAST=Bm == 1 and B > 1, H_BCAST=Hm == 1 and Hq > 1, M_BCAST=m_bcast, N_BCAST=n_bcast,

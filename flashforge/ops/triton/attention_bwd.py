@@ -16,34 +16,39 @@ dS = P * (dP' - delta) where dP' is dO V^T with the dropout mask applied.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, key_range, load_slope, query_range, score_tile
+from .common import LOG2E, key_range, load_offset, load_slope, lse_row0, query_range, score_tile, seq_bounds
 from .dropout import dropout_keep
 
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    O, DO, DLSE, DELTA,
+    O, DO, DLSE, DELTA, CU_Q,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     Hq, Sq, DV: tl.constexpr,
-    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_DLSE: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = (bh // Hq).to(tl.int64)
+    b = bh // Hq
     h = bh % Hq
+    q_start, Sq_b, _, _ = seq_bounds(CU_Q, CU_Q, b, Sq, 0, IS_VARLEN)
+    row0 = lse_row0(b, h, Hq, Sq, q_start, IS_VARLEN)
+    b64 = tl.cast(b, tl.int64)
+    O += b64 * stride_ob + tl.cast(q_start, tl.int64) * stride_os
+    DO += b64 * stride_dob + tl.cast(q_start, tl.int64) * stride_dos
     o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_dv = tl.arange(0, BLOCK_DV)
-    m_io = (o_m[:, None] < Sq) & (o_dv[None, :] < DV)
+    m_io = (o_m[:, None] < Sq_b) & (o_dv[None, :] < DV)
     # [BM, BDV]
-    b_o = tl.load(O + b * stride_ob + h * stride_oh + o_m[:, None].to(tl.int64) * stride_os + o_dv[None, :],
+    b_o = tl.load(O + h * stride_oh + o_m[:, None].to(tl.int64) * stride_os + o_dv[None, :],
                   mask=m_io, other=0.0).to(tl.float32)
-    b_do = tl.load(DO + b * stride_dob + h * stride_doh + o_m[:, None].to(tl.int64) * stride_dos + o_dv[None, :],
+    b_do = tl.load(DO + h * stride_doh + o_m[:, None].to(tl.int64) * stride_dos + o_dv[None, :],
                    mask=m_io, other=0.0).to(tl.float32)
     delta = tl.sum(b_o * b_do, axis=1)
     if HAS_DLSE:
-        delta -= tl.load(DLSE + bh.to(tl.int64) * Sq + o_m, mask=o_m < Sq, other=0.0)
-    tl.store(DELTA + bh.to(tl.int64) * Sq + o_m, delta, mask=o_m < Sq)
+        delta -= tl.load(DLSE + row0 + o_m, mask=o_m < Sq_b, other=0.0)
+    tl.store(DELTA + row0 + o_m, delta, mask=o_m < Sq_b)
 
 
 @triton.jit
@@ -88,18 +93,17 @@ def _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off, win_left, win
 
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, bh, o_m, Sq):
-    bh = tl.cast(bh, tl.int64)
-    lse = tl.load(LSE + bh * Sq + o_m, mask=o_m < Sq, other=0.0)
+def _load_row_stats(LSE, DELTA, row0, o_m, Sq):
+    lse = tl.load(LSE + row0 + o_m, mask=o_m < Sq, other=0.0)
     # fully masked rows (lse = -inf) have every score -inf: shift by 0 so P = 0, not NaN
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
-    delta = tl.load(DELTA + bh * Sq + o_m, mask=o_m < Sq, other=0.0)
+    delta = tl.load(DELTA + row0 + o_m, mask=o_m < Sq, other=0.0)
     return lse2, delta
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS, ALIBI,
+    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS, ALIBI, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -111,7 +115,7 @@ def attn_bwd_dkdv_kernel(
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -127,10 +131,17 @@ def attn_bwd_dkdv_kernel(
     o_n = n_start + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    if OFFSET_PER_BATCH:
-        off = tl.load(OFFSETS + b)
-    else:
-        off = offset
+    q_start, Sq_b, k_start, Sk_b = seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN)
+    q_rows = Sq  # rows per (b, h) in lse / delta (the packed total for varlen)
+    Sq = Sq_b
+    Sk = Sk_b
+    off = load_offset(OFFSETS, b, offset, Sq, Sk, OFFSET_PER_BATCH, OFFSET_BR)
+    Q += tl.cast(q_start, tl.int64) * stride_qs
+    DO += tl.cast(q_start, tl.int64) * stride_dos
+    K += tl.cast(k_start, tl.int64) * stride_ks
+    V += tl.cast(k_start, tl.int64) * stride_vs
+    DK += tl.cast(k_start, tl.int64) * stride_dks
+    DV_OUT += tl.cast(k_start, tl.int64) * stride_dvs
 
     # K [BN, BD], V [BN, BDV]
     b_k = tl.load(K + b64 * stride_kb + hk * stride_kh + o_n[:, None].to(tl.int64) * stride_ks + o_d[None, :],
@@ -141,9 +152,12 @@ def attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     lo, hi = query_range(n_start, off, win_left, win_right, Sq, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
+    if IS_VARLEN:  # grids cover the longest sequence: blocks past this one's end do nothing
+        hi = tl.where(n_start < Sk, hi, lo)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b * Hq + h
+        row0 = lse_row0(b, h, Hq, q_rows, q_start, IS_VARLEN)
         slope = load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI)
         p_q = Q + b64 * stride_qb + h * stride_qh
         p_do = DO + b64 * stride_dob + h * stride_doh
@@ -154,7 +168,7 @@ def attn_bwd_dkdv_kernel(
                            mask=(o_m[None, :] < Sq) & (o_d[:, None] < D), other=0.0)
             b_dot = tl.load(p_do + o_m[None, :].to(tl.int64) * stride_dos + o_dv[:, None],
                             mask=(o_m[None, :] < Sq) & (o_dv[:, None] < DV), other=0.0)
-            lse2, delta = _load_row_stats(LSE, DELTA, bh, o_m, Sq)
+            lse2, delta = _load_row_stats(LSE, DELTA, row0, o_m, Sq)
             # [BN, BM]
             qkt = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)
             dpt = tl.dot(b_v, b_dot, input_precision=DOT_PRECISION)
@@ -178,7 +192,7 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, OFFSETS, ALIBI,
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, OFFSETS, ALIBI, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -189,7 +203,7 @@ def attn_bwd_dq_kernel(
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -203,10 +217,16 @@ def attn_bwd_dq_kernel(
     o_m = m_start + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    if OFFSET_PER_BATCH:
-        off = tl.load(OFFSETS + b)
-    else:
-        off = offset
+    q_start, Sq_b, k_start, Sk_b = seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN)
+    row0 = lse_row0(b, h, Hq, Sq, q_start, IS_VARLEN)
+    Sq = Sq_b
+    Sk = Sk_b
+    off = load_offset(OFFSETS, b, offset, Sq, Sk, OFFSET_PER_BATCH, OFFSET_BR)
+    Q += tl.cast(q_start, tl.int64) * stride_qs
+    DO += tl.cast(q_start, tl.int64) * stride_dos
+    DQ += tl.cast(q_start, tl.int64) * stride_dqs
+    K += tl.cast(k_start, tl.int64) * stride_ks
+    V += tl.cast(k_start, tl.int64) * stride_vs
 
     m_qd = (o_m[:, None] < Sq) & (o_d[None, :] < D)
     # [BM, BD], [BM, BDV]
@@ -214,13 +234,15 @@ def attn_bwd_dq_kernel(
                   mask=m_qd, other=0.0)
     b_do = tl.load(DO + b64 * stride_dob + h * stride_doh + o_m[:, None].to(tl.int64) * stride_dos + o_dv[None, :],
                    mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV), other=0.0)
-    lse2, delta = _load_row_stats(LSE, DELTA, bh, o_m, Sq)
+    lse2, delta = _load_row_stats(LSE, DELTA, row0, o_m, Sq)
     slope = load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI)
     K += b64 * stride_kb + hk * stride_kh
     V += b64 * stride_vb + hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, hi = key_range(m_start, off, win_left, win_right, Sk, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
+    if IS_VARLEN:  # grids cover the longest sequence: blocks past this one's end do nothing
+        hi = tl.where(m_start < Sq, hi, lo)
     for n_start in range(lo, hi, BLOCK_N):
         o_n = n_start + tl.arange(0, BLOCK_N)
         # K^T [BD, BN], V^T [BDV, BN]
@@ -246,7 +268,7 @@ def attn_bwd_dq_kernel(
 
 @triton.jit
 def attn_bwd_dmask_kernel(
-    Q, K, V, DO, LSE, DELTA, DMASK, MASK, OFFSETS, ALIBI,
+    Q, K, V, DO, LSE, DELTA, DMASK, MASK, OFFSETS, ALIBI, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -257,7 +279,7 @@ def attn_bwd_dmask_kernel(
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr,
     B_BCAST: tl.constexpr, H_BCAST: tl.constexpr, M_BCAST: tl.constexpr, N_BCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -284,10 +306,7 @@ def attn_bwd_dmask_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for b in range(b_lo, b_hi):
         b64 = tl.cast(b, tl.int64)
-        if OFFSET_PER_BATCH:
-            off = tl.load(OFFSETS + b)
-        else:
-            off = offset
+        off = load_offset(OFFSETS, b, offset, Sq, Sk, OFFSET_PER_BATCH, OFFSET_BR)
         for h in range(h_lo, h_hi):
             hk = h // GROUP
             bh = b * Hq + h
@@ -298,7 +317,7 @@ def attn_bwd_dmask_kernel(
                               + o_d[None, :], mask=(o_m[:, None] < Sq) & (o_d[None, :] < D), other=0.0)
                 b_do = tl.load(DO + b64 * stride_dob + h * stride_doh + o_m[:, None].to(tl.int64) * stride_dos
                                + o_dv[None, :], mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV), other=0.0)
-                lse2, delta = _load_row_stats(LSE, DELTA, bh, o_m, Sq)
+                lse2, delta = _load_row_stats(LSE, DELTA, lse_row0(b, h, Hq, Sq, 0, False), o_m, Sq)
                 for n_start in range(n_lo, n_hi, BLOCK_N):
                     o_n = n_start + tl.arange(0, BLOCK_N)
                     b_kt = tl.load(K + b64 * stride_kb + hk * stride_kh + o_n[None, :].to(tl.int64) * stride_ks

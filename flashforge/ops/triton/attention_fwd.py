@@ -6,7 +6,7 @@ constexpr flag of this one kernel.
 import triton
 import triton.language as tl
 
-from .common import LN2, full_key_range, key_range, load_slope, score_tile
+from .common import LN2, full_key_range, key_range, load_offset, load_slope, lse_row0, score_tile, seq_bounds
 from .dropout import dropout_keep
 
 
@@ -55,7 +55,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, S
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI,
+    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -65,9 +65,11 @@ def attn_fwd_kernel(
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    # Sq, Sk: the lengths of a dense batch; for a packed (varlen) batch, the total
+    # rows, with each sequence's bounds read from CU_Q / CU_K (batch strides are 0)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
@@ -79,11 +81,16 @@ def attn_fwd_kernel(
     o_m = m_start + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    if OFFSET_PER_BATCH:
-        off = tl.load(OFFSETS + b)
-    else:
-        off = offset
+    q_start, Sq_b, k_start, Sk_b = seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN)
+    row0 = lse_row0(b, h, Hq, Sq, q_start, IS_VARLEN)
+    Sq = Sq_b
+    Sk = Sk_b
+    off = load_offset(OFFSETS, b, offset, Sq, Sk, OFFSET_PER_BATCH, OFFSET_BR)
     slope = load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI)
+    Q += tl.cast(q_start, tl.int64) * stride_qs
+    O += tl.cast(q_start, tl.int64) * stride_os
+    K += tl.cast(k_start, tl.int64) * stride_ks
+    V += tl.cast(k_start, tl.int64) * stride_vs
 
     # [BM, BD]
     p_q = Q + b64 * stride_qb + h * stride_qh + o_m[:, None].to(tl.int64) * stride_qs + o_d[None, :]
@@ -97,6 +104,8 @@ def attn_fwd_kernel(
 
     # key tiles: [lo, full_lo) and [full_hi, hi) need the range/window test, the rest do not
     lo, hi = key_range(m_start, off, win_left, win_right, Sk, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
+    if IS_VARLEN:  # grids cover the longest sequence: blocks past this one's end do nothing
+        hi = tl.where(m_start < Sq, hi, lo)
     full_lo, full_hi = full_key_range(m_start, off, win_left, win_right, Sk, lo, hi, BLOCK_M, BLOCK_N,
                                       HAS_WL, HAS_WR)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
@@ -125,4 +134,4 @@ def attn_fwd_kernel(
 
     p_o = O + b64 * stride_ob + h * stride_oh + o_m[:, None].to(tl.int64) * stride_os + o_dv[None, :]
     tl.store(p_o, acc.to(O.dtype.element_ty), mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV))
-    tl.store(LSE + bh.to(tl.int64) * Sq + o_m, lse, mask=o_m < Sq)
+    tl.store(LSE + row0 + o_m, lse, mask=o_m < Sq)

@@ -66,6 +66,48 @@ def score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softca
 
 
 @triton.jit
+def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr):
+    """(q_start, Sq_b, k_start, Sk_b): where sequence b's rows start in the packed
+    tensors and how many there are.  Dense batches: (0, Sq, 0, Sk)."""
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + b)
+        Sq_b = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        Sk_b = tl.load(CU_K + b + 1) - k_start
+    else:
+        q_start = 0
+        Sq_b = Sq
+        k_start = 0
+        Sk_b = Sk
+    return q_start, Sq_b, k_start, Sk_b
+
+
+@triton.jit
+def lse_row0(b, h, Hq, rows, q_start, IS_VARLEN: tl.constexpr):
+    """Offset of row 0 of (b, h) in lse-shaped tensors (lse, delta, dlse): dense
+    [B, Hq, Sq] (rows = Sq), or packed [Hq, total_q] (rows = total_q), flash-attn's
+    varlen layout."""
+    if IS_VARLEN:
+        row0 = tl.cast(h, tl.int64) * rows + q_start
+    else:
+        row0 = tl.cast(b * Hq + h, tl.int64) * rows
+    return row0
+
+
+@triton.jit
+def load_offset(OFFSETS, b, offset, Sq_b, Sk_b, OFFSET_PER_BATCH: tl.constexpr, OFFSET_BR: tl.constexpr):
+    """Query i's absolute position is i + off: the scalar or per-batch offset, plus
+    Sk_b - Sq_b when aligned bottom-right (flash-attn's convention)."""
+    if OFFSET_PER_BATCH:
+        off = tl.load(OFFSETS + b)
+    else:
+        off = offset
+    if OFFSET_BR:
+        off = off + Sk_b - Sq_b
+    return off
+
+
+@triton.jit
 def load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI: tl.constexpr):
     """The ALiBi slope of (b, h); 0.0 (unused) without ALiBi."""
     if HAS_ALIBI:

@@ -1,0 +1,164 @@
+"""flash-attn 2 compatible functions (``flash_attn.flash_attn_interface``), computed by flashforge.
+
+Change the import and keep the calls::
+
+    from flashforge.flash_attn_interface import flash_attn_func
+
+Same signatures, ``[B, S, H, D]`` layout and meaning as flash-attn 2.x:
+
+* causal is aligned to the bottom-right corner: query i sits at position
+  ``i + Sk - Sq`` and sees key j iff ``j <= i + Sk - Sq`` (rows with nothing to see
+  give 0);
+* ``window_size=(left, right)``: query i sees keys
+  ``[i + Sk - Sq - left, i + Sk - Sq + right]``, a negative side being unbounded;
+  ``causal`` makes ``right = 0``;
+* ``alibi_slopes`` (``[H]`` or ``[B, H]``) adds ``-slope * |i + Sk - Sq - j|`` to the
+  score; ``softcap > 0`` caps the scaled score at ``softcap * tanh(score / softcap)``
+  before that;
+* grouped-query attention: ``Hq % Hkv == 0``, query head h reads kv head ``h // (Hq // Hkv)``.
+
+Beyond flash-attn: float32 inputs, any head dim from 1 to 256, ``Dv != D``, CPU tensors.
+
+Differences, by design:
+
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flashforge never forms
+  the attention probabilities (flash-attn documents its ``S_dmask`` as a testing aid
+  that may be wrongly scaled, and gives an empty tensor without dropout).
+  ``softmax_lse`` is ``[B, H, Sq]`` float32 and differentiable;
+* a query row that sees no key has ``softmax_lse = -inf`` (flash-attn writes ``+inf``);
+* with ``causal=True`` and ALiBi, flash-attn's kernel adds ``slope * j`` instead of the
+  documented ``-slope * |i + Sk - Sq - j|``: the output is the same (the two differ by a
+  constant per row), its ``softmax_lse`` differs by ``slope * (i + Sk - Sq)``;
+  flashforge follows the documented formula;
+* dropout draws its seed from torch's default generator (flash-attn: the CUDA
+  generator), so ``torch.manual_seed(s)`` makes it reproducible on every device; the
+  dropout pattern is flashforge's counter-based one, not flash-attn's.
+
+Not yet available (they come with variable-length batches and KV-cache decoding); they
+exist so that imports succeed, and raise ``NotImplementedError`` when called:
+``flash_attn_varlen_func``, ``flash_attn_varlen_qkvpacked_func``,
+``flash_attn_varlen_kvpacked_func``, ``flash_attn_with_kvcache``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..api.attention import attention
+from ..api.validate import check_float, check_int, check_tensor
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
+
+def _check_rank(name: str, x, rank: int, layout: str) -> None:
+    check_tensor(name, x)
+    if x.dim() != rank:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; accepted: {layout}")
+
+
+def _window(window_size, causal: bool) -> Optional[tuple]:
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    # flash-attn treats any negative side as unbounded
+    left, right = (max(check_int(f"window_size[{i}]", w), -1) for i, w in enumerate(window_size))
+    if causal:
+        right = 0
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_attn_probs):
+    """flash-attn's meaning on validated 4-D q ``[B, Sq, Hq, D]``, k, v ``[B, Sk, Hkv, D]``."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    window = _window(window_size, causal)
+    softcap = max(check_float("softcap", softcap), 0.0)  # flash-attn: anything <= 0 turns it off
+    out = attention(q, k, v, causal=causal, causal_offset=k.shape[1] - q.shape[1], window=window,
+                    dropout_p=dropout_p, scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes,
+                    deterministic=deterministic, return_lse=bool(return_attn_probs))
+    if return_attn_probs:
+        o, lse = out
+        return o, lse, None
+    return out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn 2's ``flash_attn_func``: bottom-right causal attention in the BSHD layout.
+
+    Args:
+        q: ``[B, Sq, Hq, D]``.
+        k: ``[B, Sk, Hkv, D]``; ``Hq % Hkv == 0``.
+        v: ``[B, Sk, Hkv, Dv]``.
+        dropout_p: dropout probability in [0, 1), applied whenever > 0 (pass 0.0 in evaluation).
+        softmax_scale: score scale, default ``1/sqrt(D)``.
+        causal: query i sees key j iff ``j <= i + Sk - Sq`` (bottom-right aligned).
+        window_size: ``(left, right)``: keys ``[i + Sk - Sq - left, i + Sk - Sq + right]``; -1 = unbounded.
+        softcap: if > 0, ``score = softcap * tanh(score / softcap)``.
+        alibi_slopes: float32 ``[Hq]`` or ``[B, Hq]``: adds ``-slope * |i + Sk - Sq - j|`` to the score.
+        deterministic: bitwise-reproducible backward.
+        return_attn_probs: also return ``softmax_lse`` and, in place of the probabilities, None.
+
+    Returns:
+        ``out [B, Sq, Hq, Dv]``, or ``(out, softmax_lse [B, Hq, Sq] float32, None)``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_rank(name, t, 4, "[batch, seqlen, nheads, headdim]")
+    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn 2's ``flash_attn_qkvpacked_func``: q, k, v packed in ``qkv [B, S, 3, H, D]``.
+
+    Same arguments and returns as `flash_attn_func` (here Sq = Sk, so causal is the usual
+    lower triangle).  The gradient is one ``[B, S, 3, H, D]`` tensor, like qkv.
+    """
+    _check_rank("qkv", qkv, 5, "[batch, seqlen, 3, nheads, headdim]")
+    if qkv.shape[2] != 3:
+        raise ValueError(f"qkv has shape {tuple(qkv.shape)}; dim 2 must be 3 (q, k, v): "
+                         f"[batch, seqlen, 3, nheads, headdim]")
+    q, k, v = qkv.unbind(2)  # views: the last dim keeps stride 1
+    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn 2's ``flash_attn_kvpacked_func``: q ``[B, Sq, Hq, D]``, k and v packed in
+    ``kv [B, Sk, 2, Hkv, D]`` (``Hq % Hkv == 0``).
+
+    Same arguments and returns as `flash_attn_func`.  The gradient of kv is one
+    ``[B, Sk, 2, Hkv, D]`` tensor, like kv.
+    """
+    _check_rank("q", q, 4, "[batch, seqlen, nheads, headdim]")
+    _check_rank("kv", kv, 5, "[batch, seqlen, 2, nheads_k, headdim]")
+    if kv.shape[2] != 2:
+        raise ValueError(f"kv has shape {tuple(kv.shape)}; dim 2 must be 2 (k, v): "
+                         f"[batch, seqlen, 2, nheads_k, headdim]")
+    k, v = kv.unbind(2)
+    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       deterministic, return_attn_probs)
+
+
+def _not_yet(name: str, feature: str, instead: str):
+    def fn(*args, **kwargs):
+        raise NotImplementedError(f"flashforge.flash_attn_interface.{name}: {feature} is not implemented in "
+                                  f"flashforge yet. Meanwhile: {instead}")
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f"Not implemented yet ({feature}); raises NotImplementedError."
+    return fn
+
+
+_VARLEN = ("variable-length batches (cu_seqlens)",
+           "pad the sequences to one length and call flash_attn_func, or flashforge.attention with a bool "
+           "mask [B, 1, 1, Sk] that is False on the padding keys")
+flash_attn_varlen_func = _not_yet("flash_attn_varlen_func", *_VARLEN)
+flash_attn_varlen_qkvpacked_func = _not_yet("flash_attn_varlen_qkvpacked_func", *_VARLEN)
+flash_attn_varlen_kvpacked_func = _not_yet("flash_attn_varlen_kvpacked_func", *_VARLEN)
+flash_attn_with_kvcache = _not_yet(
+    "flash_attn_with_kvcache", "KV-cache decoding (in-place cache updates, paged caches)",
+    "write the new keys and values into the cache yourself and call flashforge.attention(q, k_cache, "
+    "v_cache, causal=True, causal_offset=cache_seqlens), cache_seqlens being an int tensor [B] of the cache "
+    "lengths before the new tokens")
