@@ -34,16 +34,17 @@ Differences, by design:
   generator), so ``torch.manual_seed(s)`` makes it reproducible on every device; the
   dropout pattern is flashforge's counter-based one, not flash-attn's.
 
-Not yet available (they come with variable-length batches and KV-cache decoding); they
-exist so that imports succeed, and raise ``NotImplementedError`` when called:
-``flash_attn_varlen_func``, ``flash_attn_varlen_qkvpacked_func``,
-``flash_attn_varlen_kvpacked_func``, ``flash_attn_with_kvcache``.
+The varlen functions take packed ``[total, H, D]`` tensors with ``cu_seqlens``; their
+``softmax_lse`` is ``[H, total_q]``, as flash-attn's.  Not yet available (it comes with
+KV-cache decoding): ``flash_attn_with_kvcache`` exists so that imports succeed, and raises
+``NotImplementedError`` when called; ``block_table`` in the varlen function likewise.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from ..api.attention import attention
+from ..api.varlen import attention_varlen
 from ..api.validate import check_float, check_int, check_tensor
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -142,6 +143,73 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                        deterministic, return_attn_probs)
 
 
+def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                       causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
+    """flash-attn's varlen meaning: bottom-right alignment within each sequence."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    window = _window(window_size, causal)
+    softcap = max(check_float("softcap", softcap), 0.0)
+    out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                           causal_offset="bottom_right", window=window, dropout_p=dropout_p, scale=softmax_scale,
+                           softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                           return_lse=bool(return_attn_probs))
+    if return_attn_probs:
+        o, lse = out
+        return o, lse, None
+    return out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn 2's ``flash_attn_varlen_func``: sequences packed along dim 0.
+
+    Args:
+        q: ``[total_q, Hq, D]``; k, v: ``[total_k, Hkv, D]``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` cumulative lengths.
+        max_seqlen_q, max_seqlen_k: ints, the longest sequences.
+        Other arguments as `flash_attn_func`; causal and windows are bottom-right aligned
+        within each sequence.  ``block_table`` (a paged cache) is not supported here.
+
+    Returns:
+        ``out [total_q, Hq, Dv]``, or ``(out, softmax_lse [Hq, total_q] float32, None)``.
+    """
+    if block_table is not None:
+        raise NotImplementedError("flash_attn_varlen_func: block_table (paged K/V) is not supported by "
+                                  "flashforge's varlen path yet; pass contiguous packed k, v")
+    return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                              softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                              return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash-attn 2's ``flash_attn_varlen_qkvpacked_func``: ``qkv [total, 3, H, D]``, one
+    ``cu_seqlens`` for queries and keys.  Same returns as `flash_attn_varlen_func`."""
+    _check_rank("qkv", qkv, 4, "[total, 3, nheads, headdim]")
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv has shape {tuple(qkv.shape)}; dim 1 must be 3 (q, k, v): [total, 3, nheads, headdim]")
+    q, k, v = qkv.unbind(1)
+    return _flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                              causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn 2's ``flash_attn_varlen_kvpacked_func``: q ``[total_q, Hq, D]``, ``kv [total_k, 2, Hkv, D]``.
+    Same returns as `flash_attn_varlen_func`."""
+    _check_rank("kv", kv, 4, "[total_k, 2, nheads_k, headdim]")
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv has shape {tuple(kv.shape)}; dim 1 must be 2 (k, v): [total_k, 2, nheads_k, headdim]")
+    k, v = kv.unbind(1)
+    return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                              softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                              return_attn_probs)
+
+
 def _not_yet(name: str, feature: str, instead: str):
     def fn(*args, **kwargs):
         raise NotImplementedError(f"flashforge.flash_attn_interface.{name}: {feature} is not implemented in "
@@ -151,12 +219,6 @@ def _not_yet(name: str, feature: str, instead: str):
     return fn
 
 
-_VARLEN = ("variable-length batches (cu_seqlens)",
-           "pad the sequences to one length and call flash_attn_func, or flashforge.attention with a bool "
-           "mask [B, 1, 1, Sk] that is False on the padding keys")
-flash_attn_varlen_func = _not_yet("flash_attn_varlen_func", *_VARLEN)
-flash_attn_varlen_qkvpacked_func = _not_yet("flash_attn_varlen_qkvpacked_func", *_VARLEN)
-flash_attn_varlen_kvpacked_func = _not_yet("flash_attn_varlen_kvpacked_func", *_VARLEN)
 flash_attn_with_kvcache = _not_yet(
     "flash_attn_with_kvcache", "KV-cache decoding (in-place cache updates, paged caches)",
     "write the new keys and values into the cache yourself and call flashforge.attention(q, k_cache, "
