@@ -245,6 +245,18 @@ def _varlen_backward(do, dlse, q, k, v, o, lse, params: AttnParams) -> tuple[Ten
     return dq, dk, dv
 
 
+def _kvcache_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tuple[Tensor, Tensor]:
+    """A KV cache, as a dense call: gather the pages into rows, hide keys past each row's length."""
+    B = q.shape[0]
+    if params.block_table is not None:
+        k = k[params.block_table.long()].flatten(1, 2)  # [B, max_blocks * block_size, Hkv, D]
+        v = v[params.block_table.long()].flatten(1, 2)
+    else:
+        k, v = k[:B], v[:B]
+    keep = torch.arange(k.shape[1], device=q.device) < params.seqlens_k.view(B, 1, 1, 1)  # [B, 1, 1, Sk]
+    return attention_forward(q, k, v, keep, replace(params, seqlens_k=None, block_table=None, num_splits=1))
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                       params: AttnParams) -> tuple[Tensor, Tensor]:
     """Attention on validated BSHD tensors.
@@ -262,6 +274,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     """
     if params.is_varlen:
         return _varlen_forward(q, k, v, params)
+    if params.seqlens_k is not None:
+        return _kvcache_forward(q, k, v, params)
     t = _Tiles(q, k, v, mask, params)
     B, Hq, G, Sq = t.B, t.Hq, t.G, t.Sq
     BH, Dv = B * t.Hkv, v.shape[-1]

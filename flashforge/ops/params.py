@@ -42,6 +42,12 @@ class AttnParams:
     cu_seqlens_k: Optional[torch.Tensor] = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # KV cache (forward only): batch row b sees keys [0, seqlens_k[b]) (int32 [B]); with
+    # block_table (int32 [B, max_blocks]) k/v are paged [num_blocks, block_size, Hkv, *]
+    # and key j of row b is row j % block_size of block block_table[b, j // block_size].
+    seqlens_k: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
+    num_splits: int = 1  # split-KV: keys divided among this many programs, merged by lse
     # batch index of this call's first sequence in the dropout counter (the CPU path
     # runs a packed batch one sequence at a time)
     dropout_batch_base: int = 0

@@ -16,7 +16,7 @@ from ..dropout import keep_threshold
 from ..params import AttnParams
 from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bwd_dq_kernel,
                             attn_bwd_preprocess_kernel)
-from .attention_fwd import attn_fwd_kernel
+from .attention_fwd import attn_fwd_combine_kernel, attn_fwd_kernel
 from .configs import get_config, head_dim_block
 
 
@@ -46,7 +46,10 @@ def _common_args(q, params: AttnParams):
     offsets = params.offset_tensor if per_batch else q
     slopes = params.alibi_slopes
     tensors = (offsets, q, 0, 0) if slopes is None else (offsets, slopes, slopes.stride(0), slopes.stride(1))
-    tensors += (params.cu_seqlens_q, params.cu_seqlens_k) if params.is_varlen else (offsets, offsets)
+    if params.is_varlen:
+        tensors += (params.cu_seqlens_q, params.cu_seqlens_k)
+    else:  # CU_K doubles as the per-row key counts of a KV cache
+        tensors += (offsets, params.seqlens_k if params.seqlens_k is not None else offsets)
     scalars = (params.scale, params.softcap if params.softcap > 0 else 1.0, params.offset,
                params.window_left, params.window_right, params.seed, keep_threshold(params.dropout_p),
                1.0 / (1.0 - params.dropout_p))
@@ -82,23 +85,46 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     _, Sq, Hq, D = q.shape  # Sq: rows per (b, h) of o and lse (a packed batch's total)
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     B, max_sq, _ = _batch_and_lengths(q, k, params)
-    vl = params.is_varlen
+    vl, paged = params.is_varlen, params.block_table is not None
     interpret = _interpreting(q)
     o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     (offsets, alibi, s_ab, s_ah, cu_q, cu_k), scalars, flags = _common_args(q, params)
-    grid = (triton.cdiv(max_sq, cfg.block_m), B * Hq)
+    splits = max(1, params.num_splits)
+    if splits > 1:  # partials in float32, merged below
+        o_out = torch.empty(splits, *o.shape, dtype=torch.float32, device=q.device)
+        lse_out = torch.empty(splits, *lse.shape, dtype=torch.float32, device=q.device)
+        split_strides = (o_out.stride(0), lse_out.stride(0))
+    else:
+        o_out, lse_out, split_strides = o, lse, (0, 0)
+    if paged:
+        bt, page = params.block_table, k.shape[1]
+        paging = (bt.stride(0), k.stride(0), v.stride(0))
+        k_strides, v_strides = (0, k.stride(1), k.stride(2)), (0, v.stride(1), v.stride(2))
+    else:
+        bt, page, paging = offsets, 1, (0, 0, 0)
+        k_strides, v_strides = _bshd_strides(k, vl), _bshd_strides(v, vl)
+    grid = (triton.cdiv(max_sq, cfg.block_m) * splits, B * Hq)
     attn_fwd_kernel[grid](
-        q, k, v, o, lse, mask_t, offsets, alibi, cu_q, cu_k,
-        *_bshd_strides(q, vl), *_bshd_strides(k, vl), *_bshd_strides(v, vl), *_bshd_strides(o, vl),
-        *m_strides, s_ab, s_ah,
+        q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt,
+        *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
+        *m_strides, s_ab, s_ah, *paging, *split_strides, splits,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
-        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags,
+        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, HAS_SEQLENS_K=params.seqlens_k is not None,
+        PAGED=paged, PAGE=page, IS_SPLIT=splits > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if splits > 1:
+        bm = 16
+        attn_fwd_combine_kernel[(triton.cdiv(Sq, bm), q.shape[0] * Hq)](
+            o_out, lse_out, o, lse,
+            o_out.stride(0), o_out.stride(1), o_out.stride(2), o_out.stride(3),
+            o.stride(0), o.stride(1), o.stride(2),
+            lse_out.stride(0), Hq, Sq, splits, Dv, BLOCK_M=bm, BLOCK_DV=_padded(Dv, Dv),
+        )
     return o, lse
 
 

@@ -6,18 +6,20 @@ constexpr flag of this one kernel.
 import triton
 import triton.language as tl
 
-from .common import LN2, full_key_range, key_range, load_offset, load_slope, lse_row0, score_tile, seq_bounds
+from .common import (LN2, full_key_range, key_range, key_rows, load_offset, load_slope, lse_row0, score_tile,
+                     seq_bounds)
 from .dropout import dropout_keep
 
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, b_q, K, V, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
-               stride_ks, stride_vs, scale, softcap, slope, win_left, win_right, seed, drop_threshold,
+def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+               stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope, win_left, win_right, seed,
+               drop_threshold,
                MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
                DOT_PRECISION: tl.constexpr,
-               D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr,
+               D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online-softmax update over the key tiles [n_lo, n_hi).  CHECK=False: the
     tiles are known to be in range and inside the window for every query."""
@@ -30,7 +32,8 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, S
             m_kt = o_d[:, None] < D
             m_v = o_dv[None, :] < DV
         # [BD, BN]
-        b_kt = tl.load(K + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None], mask=m_kt, other=0.0)
+        b_kt = tl.load(K + key_rows(o_n, Sk, BT, stride_kp, stride_ks, PAGED, PAGE)[None, :] + o_d[:, None],
+                       mask=m_kt, other=0.0)
         # [BM, BN]
         qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
         s2, _ = score_tile(qk, o_m[:, None], o_n[None, :], b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
@@ -47,7 +50,8 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, S
             keep = dropout_keep(seed, drop_threshold, bh, o_m, o_n, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         # [BN, BDV]
-        b_v = tl.load(V + o_n[:, None].to(tl.int64) * stride_vs + o_dv[None, :], mask=m_v, other=0.0)
+        b_v = tl.load(V + key_rows(o_n, Sk, BT, stride_vp, stride_vs, PAGED, PAGE)[:, None] + o_dv[None, :],
+                      mask=m_v, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -55,22 +59,33 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, S
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K,
+    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K, BT,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
+    stride_btb, stride_kp, stride_vp, stride_os_split, stride_ls_split, num_splits,
     Hq, Sq, Sk, D: tl.constexpr, DV: tl.constexpr, GROUP,
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, HAS_SEQLENS_K: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # Sq, Sk: the lengths of a dense batch; for a packed (varlen) batch, the total
-    # rows, with each sequence's bounds read from CU_Q / CU_K (batch strides are 0)
+    # rows, with each sequence's bounds read from CU_Q / CU_K (batch strides are 0).
+    # A KV cache: CU_K holds each row's key count (HAS_SEQLENS_K); PAGED reads
+    # keys through the block table BT [B, max_blocks] (pages of PAGE rows).
+    # IS_SPLIT (split-KV): axis 0 also spans num_splits slices of the keys; each
+    # writes its normalised partial o and lse at split * stride_*_split, and
+    # `attn_fwd_combine_kernel` merges them.
     pid_m = tl.program_id(0)
+    split = 0
+    if IS_SPLIT:
+        split = pid_m % num_splits
+        pid_m = pid_m // num_splits
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
@@ -81,8 +96,12 @@ def attn_fwd_kernel(
     o_m = m_start + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    q_start, Sq_b, k_start, Sk_b = seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN)
+    q_start, Sq_b, k_start, Sk_b = seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN, HAS_SEQLENS_K)
     row0 = lse_row0(b, h, Hq, Sq, q_start, IS_VARLEN)
+    if IS_SPLIT:
+        O += tl.cast(split, tl.int64) * stride_os_split
+        LSE += tl.cast(split, tl.int64) * stride_ls_split
+    BT += b64 * stride_btb
     Sq = Sq_b
     Sk = Sk_b
     off = load_offset(OFFSETS, b, offset, Sq, Sk, OFFSET_PER_BATCH, OFFSET_BR)
@@ -106,26 +125,30 @@ def attn_fwd_kernel(
     lo, hi = key_range(m_start, off, win_left, win_right, Sk, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
     if IS_VARLEN:  # grids cover the longest sequence: blocks past this one's end do nothing
         hi = tl.where(m_start < Sq, hi, lo)
+    if IS_SPLIT:  # this program's share: whole tiles, in order
+        per = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
+        lo = lo + split * per
+        hi = tl.maximum(tl.minimum(hi, lo + per), lo)
     full_lo, full_hi = full_key_range(m_start, off, win_left, win_right, Sk, lo, hi, BLOCK_M, BLOCK_N,
                                       HAS_WL, HAS_WR)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
-                               stride_ks, stride_vs, scale, softcap, slope, win_left, win_right, seed,
-                               drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                               stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope, win_left,
+                               win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
-                               D, DV, False, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, lo, full_lo, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
-                               stride_ks, stride_vs, scale, softcap, slope, win_left, win_right, seed,
-                               drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                               D, DV, False, PAGED, PAGE, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, lo, full_lo, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                               stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope, win_left,
+                               win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
-                               D, DV, True, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, full_hi, hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
-                               stride_ks, stride_vs, scale, softcap, slope, win_left, win_right, seed,
-                               drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                               D, DV, True, PAGED, PAGE, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, full_hi, hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                               stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope, win_left,
+                               win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
-                               D, DV, True, BLOCK_M, BLOCK_N)
+                               D, DV, True, PAGED, PAGE, BLOCK_M, BLOCK_N)
 
     empty = l_i == 0.0  # fully masked row: o = 0, lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -135,3 +158,39 @@ def attn_fwd_kernel(
     p_o = O + b64 * stride_ob + h * stride_oh + o_m[:, None].to(tl.int64) * stride_os + o_dv[None, :]
     tl.store(p_o, acc.to(O.dtype.element_ty), mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV))
     tl.store(LSE + row0 + o_m, lse, mask=o_m < Sq)
+
+
+@triton.jit
+def attn_fwd_combine_kernel(
+    O_PART, LSE_PART, O, LSE,
+    stride_ps, stride_pb, stride_pm, stride_ph,
+    stride_ob, stride_om, stride_oh,
+    stride_ls, Hq, Sq, num_splits, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Merge split-KV partials: lse = logsumexp_s lse_s, o = sum_s exp(lse_s - lse) o_s."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_row = o_m < Sq
+    p_lse = LSE_PART + tl.cast(bh, tl.int64) * Sq + o_m
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(p_lse + s * stride_ls, mask=m_row, other=float("-inf")))
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    p_o = O_PART + tl.cast(b, tl.int64) * stride_pb + h * stride_ph + o_m[:, None].to(tl.int64) * stride_pm + o_dv[None, :]
+    for s in range(0, num_splits):
+        w = tl.exp(tl.load(p_lse + s * stride_ls, mask=m_row, other=float("-inf")) - m_shift)  # [BM]
+        l += w
+        acc += w[:, None] * tl.load(p_o + s * stride_ps, mask=m_row[:, None] & (o_dv[None, :] < DV), other=0.0)
+    empty = l == 0.0
+    acc = acc / tl.where(empty, 1.0, l)[:, None]
+    lse = tl.where(empty, float("-inf"), m_shift + tl.log(tl.where(empty, 1.0, l)))
+    tl.store(O + tl.cast(b, tl.int64) * stride_ob + h * stride_oh + o_m[:, None].to(tl.int64) * stride_om + o_dv[None, :],
+             acc.to(O.dtype.element_ty), mask=m_row[:, None] & (o_dv[None, :] < DV))
+    tl.store(LSE + tl.cast(bh, tl.int64) * Sq + o_m, lse, mask=m_row)

@@ -66,9 +66,10 @@ def score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softca
 
 
 @triton.jit
-def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr):
+def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr, HAS_SEQLENS_K: tl.constexpr = False):
     """(q_start, Sq_b, k_start, Sk_b): where sequence b's rows start in the packed
-    tensors and how many there are.  Dense batches: (0, Sq, 0, Sk)."""
+    tensors and how many there are.  Dense batches: (0, Sq, 0, Sk); with
+    HAS_SEQLENS_K (a KV cache), CU_K holds each batch row's key count instead."""
     if IS_VARLEN:
         q_start = tl.load(CU_Q + b)
         Sq_b = tl.load(CU_Q + b + 1) - q_start
@@ -78,7 +79,10 @@ def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr):
         q_start = 0
         Sq_b = Sq
         k_start = 0
-        Sk_b = Sk
+        if HAS_SEQLENS_K:
+            Sk_b = tl.load(CU_K + b)
+        else:
+            Sk_b = Sk
     return q_start, Sq_b, k_start, Sk_b
 
 
@@ -105,6 +109,18 @@ def load_offset(OFFSETS, b, offset, Sq_b, Sk_b, OFFSET_PER_BATCH: tl.constexpr, 
     if OFFSET_BR:
         off = off + Sk_b - Sq_b
     return off
+
+
+@triton.jit
+def key_rows(o_n, Sk, BT, stride_page, stride_row, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """int64 offsets of key rows o_n: row * stride, or, in a paged cache, through
+    the block table BT (already at this batch row): block * stride_page + row in block."""
+    if PAGED:
+        blk = tl.load(BT + o_n // PAGE, mask=o_n < Sk, other=0).to(tl.int64)
+        rows = blk * stride_page + (o_n % PAGE).to(tl.int64) * stride_row
+    else:
+        rows = o_n.to(tl.int64) * stride_row
+    return rows
 
 
 @triton.jit
