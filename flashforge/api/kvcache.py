@@ -1,0 +1,160 @@
+"""`flashforge.attention_with_kvcache`: attention for inference against a KV cache
+(contiguous or paged), appending the new keys and values in place first."""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from ..ops.params import AttnParams
+from .attention import _normalise_slopes, check_heads_and_dims, check_qkv_rank
+from .rope import apply_rope
+from .validate import check_backend, check_float, check_int, check_tensor, check_window
+
+__all__ = ["Rope", "attention_with_kvcache"]
+
+_BACKENDS = {"torch": "flashforge.ops.attention_torch", "triton": "flashforge.ops.triton.attention"}
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary embedding applied by `attention_with_kvcache` to q and the new k, at their
+    absolute positions (the arguments of `flashforge.apply_rope`)."""
+    theta: float = 10000.0
+    style: str = "half"  # "half" (Llama, NeoX) or "interleaved" (GPT-J)
+    rotary_dim: Optional[int] = None
+
+
+def _auto_splits(q: torch.Tensor, B: int, Hq: int, capacity: int, block_m: int = 128) -> int:
+    """Split the keys when the (query block, batch, head) programs cannot fill the GPU."""
+    if q.device.type != "cuda":
+        return 1
+    programs = -(-q.shape[1] // block_m) * B * Hq
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    if programs >= sms:
+        return 1
+    # enough programs for two waves, but keep >= 256 keys per split
+    return max(1, min(-(-2 * sms // programs), capacity // 256, 64))
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
+                           cache_seqlens: Union[int, torch.Tensor], block_table: Optional[torch.Tensor] = None,
+                           rope: Optional[Rope] = None, causal: bool = True, window=None, softcap: float = 0.0,
+                           scale: Optional[float] = None, alibi_slopes: Optional[torch.Tensor] = None,
+                           return_lse: bool = False, num_splits: Optional[int] = None,
+                           backend: Optional[str] = None):
+    """Attention of new queries against a KV cache (inference: no gradients).
+
+    Args:
+        q: ``[B, Sq, Hq, D]``.
+        k_cache, v_cache: ``[B_cache, S_cache, Hkv, D]`` (``B_cache >= B``, row b is sequence b),
+            or paged ``[num_blocks, block_size, Hkv, D]`` with ``block_table``.
+        k, v: None, or the new keys and values ``[B, S_new, Hkv, D]``: they are written into the
+            cache in place at positions ``cache_seqlens[b] + i`` (after RoPE, if asked) before
+            attending.  The caller makes sure they fit.
+        cache_seqlens: int or int32/int64 tensor ``[B]``: tokens already in each cache row.
+        block_table: int32 ``[B, max_blocks]``: key j of sequence b is row ``j % block_size`` of
+            block ``block_table[b, j // block_size]``; ``block_size`` a power of two >= 16.
+        rope: a `Rope`: rotate q and the new k at their absolute positions, as `apply_rope` would.
+        causal, window, softcap, scale, alibi_slopes: as in `flashforge.attention`, with the
+            queries aligned to the end of the keys: sequence b has ``L_b = cache_seqlens[b] + S_new``
+            keys and query i sits at position ``L_b - Sq + i`` (``cache_seqlens[b] + i`` when
+            ``Sq == S_new``).
+        num_splits: split-KV factor; None picks one from the batch, heads and cache size.
+
+    Returns:
+        ``o [B, Sq, Hq, D]``, or ``(o, lse [B, Hq, Sq])``.
+    """
+    check_qkv_rank(q, k_cache, v_cache, (4,), "[B, Sq, Hq, D] with caches [B_cache, S_cache, Hkv, D]")
+    B, Sq, Hq, D = q.shape
+    check_heads_and_dims(q, k_cache, v_cache)
+    dev = q.device
+    if block_table is not None:
+        check_tensor("block_table", block_table)
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
+            raise ValueError(f"block_table must be an int32 tensor [B, max_blocks] = [{B}, *], got "
+                             f"{block_table.dtype} {tuple(block_table.shape)}")
+        if block_table.device != dev:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {dev}")
+        block_size = k_cache.shape[1]
+        if block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"paged k_cache has block_size {block_size}; accepted: a power of two >= 16")
+        capacity = block_table.shape[1] * block_size
+    else:
+        if k_cache.shape[0] < B:
+            raise ValueError(f"k_cache has {k_cache.shape[0]} rows but q has batch {B}; B_cache >= B needed")
+        capacity = k_cache.shape[1]
+
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype not in (torch.int32, torch.int64) or cache_seqlens.shape != (B,):
+            raise ValueError(f"cache_seqlens must be an int or an int32/int64 tensor [B] = [{B}], got "
+                             f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != dev:
+            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {dev}")
+        cache_seqlens = cache_seqlens.to(torch.int32)
+    else:
+        cache_seqlens = torch.full((B,), check_int("cache_seqlens", cache_seqlens, minimum=0),
+                                   dtype=torch.int32, device=dev)
+
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values) or both be None")
+    s_new = 0
+    if k is not None:
+        check_qkv_rank(q, k, v, (4,), "[B, S_new, Hkv, D]")
+        if k.shape[0] != B or k.shape[2:] != k_cache.shape[2:] or v.shape[:3] != k.shape[:3] \
+                or v.shape[3] != v_cache.shape[3]:
+            raise ValueError(f"new k {tuple(k.shape)} / v {tuple(v.shape)} must be [B, S_new, Hkv, D] matching "
+                             f"q's batch {B} and the caches' heads and head dims")
+        s_new = k.shape[1]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    left, right = check_window(window)
+    if causal:
+        right = 0
+    softcap = check_float("softcap", softcap, minimum=0.0)
+    scale = check_float("scale", scale, allow_none=True)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if rope is not None and not isinstance(rope, Rope):
+        raise TypeError(f"rope must be a flashforge.Rope or None, got {type(rope).__name__}")
+    backend = check_backend(backend)
+    if backend is None:
+        backend = "triton" if dev.type == "cuda" else "torch"
+    if num_splits is None:
+        num_splits = _auto_splits(q, B, Hq, capacity)
+    num_splits = check_int("num_splits", num_splits, minimum=1)
+
+    seqlens_k = cache_seqlens + s_new  # [B] int32
+    q_pos = seqlens_k - Sq  # absolute position of query 0
+    with torch.no_grad():
+        if rope is not None:
+            rot = dict(theta=rope.theta, style=rope.style, rotary_dim=rope.rotary_dim, backend=backend)
+            q = apply_rope(q, pos=q_pos, **rot)
+            if k is not None:
+                k = apply_rope(k, pos=cache_seqlens, **rot)
+        if k is not None:
+            _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        params = AttnParams(scale=scale, window_left=left, window_right=right, offset_tensor=q_pos,
+                            softcap=softcap, alibi_slopes=_normalise_slopes(alibi_slopes, q, B, Hq),
+                            seqlens_k=seqlens_k, block_table=block_table, num_splits=num_splits)
+        qc = q if q.stride(-1) == 1 else q.contiguous()
+        o, lse = importlib.import_module(_BACKENDS[backend]).attention_forward(qc, k_cache, v_cache, None, params)
+    return (o, lse) if return_lse else o
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
+    """Write k, v ``[B, S_new, Hkv, *]`` at positions ``cache_seqlens[b] + i`` of each cache row."""
+    B, s_new = k.shape[:2]
+    pos = cache_seqlens.long().view(B, 1) + torch.arange(s_new, device=k.device).view(1, s_new)  # [B, S_new]
+    if block_table is None:
+        rows = torch.arange(B, device=k.device).view(B, 1).expand(B, s_new)
+        k_cache[rows, pos] = k.to(k_cache.dtype)
+        v_cache[rows, pos] = v.to(v_cache.dtype)
+    else:
+        size = k_cache.shape[1]
+        blocks = block_table.long().gather(1, pos // size)  # [B, S_new]
+        k_cache[blocks, pos % size] = k.to(k_cache.dtype)
+        v_cache[blocks, pos % size] = v.to(v_cache.dtype)

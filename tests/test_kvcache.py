@@ -1,0 +1,137 @@
+"""`flashforge.attention_with_kvcache` on both backends: against the float64
+reference on the gathered keys, cache appends touch only their slots, paged
+equals contiguous, RoPE inside equals `apply_rope` first, split equals unsplit."""
+import pytest
+import torch
+
+import flashforge
+from flashforge import Rope, reference
+from helpers import backend_device, backend_params
+
+BACKENDS = backend_params()
+B, HQ, HKV, D = 3, 4, 2, 32
+
+
+def _setup(dev, S_cache=64, s_new=2, Sq=2, gen_seed=0, block_size=16, paged=False):
+    gen = torch.Generator().manual_seed(gen_seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(dev)  # noqa: E731
+    q = rnd(B, Sq, HQ, D)
+    k_new, v_new = (rnd(B, s_new, HKV, D) for _ in range(2)) if s_new else (None, None)
+    cache_seqlens = torch.tensor([5, 40, 0], dtype=torch.int32, device=dev)
+    kc, vc = rnd(B, S_cache, HKV, D), rnd(B, S_cache, HKV, D)
+    if not paged:
+        return q, kc, vc, k_new, v_new, cache_seqlens, None
+    # the same rows, scattered over shuffled pages of a larger pool
+    per_row = S_cache // block_size
+    n_blocks = B * per_row + 3
+    table = torch.randperm(n_blocks, generator=gen)[:B * per_row].view(B, per_row).int().to(dev)
+    kp, vp = rnd(n_blocks, block_size, HKV, D), rnd(n_blocks, block_size, HKV, D)
+    kp[table.long()] = kc.view(B, per_row, block_size, HKV, D)
+    vp[table.long()] = vc.view(B, per_row, block_size, HKV, D)
+    return q, kp, vp, k_new, v_new, cache_seqlens, table
+
+
+def _reference(q, kc, vc, k_new, v_new, cache_seqlens, causal=True, window=None, rope=None):
+    """Per batch row: the cache's first cache_seqlens keys plus the new ones, in float64."""
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b])
+        kb, vb = kc[b, :n], vc[b, :n]
+        qb = q[b:b + 1]
+        if k_new is not None:
+            kn = k_new[b:b + 1]
+            if rope is not None:
+                kn = reference.apply_rope(kn.double(), pos=n, theta=rope.theta, style=rope.style)
+            kb, vb = torch.cat([kb.double(), kn[0].double()]), torch.cat([vb.double(), v_new[b].double()])
+        L = kb.shape[0]
+        if rope is not None:
+            qb = reference.apply_rope(qb.double(), pos=L - q.shape[1], theta=rope.theta, style=rope.style)
+        outs.append(reference.attention(qb.double(), kb[None].double(), vb[None].double(), causal=causal,
+                                        causal_offset=L - q.shape[1], window=window))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("Sq, s_new, kw", [
+    pytest.param(1, 1, dict(), id="decode-append"),
+    pytest.param(3, 3, dict(), id="prefill-chunk-append"),
+    pytest.param(2, 0, dict(), id="no-append"),
+    pytest.param(1, 1, dict(window=(8, -1)), id="decode-window"),
+    pytest.param(2, 2, dict(rope=Rope(theta=500.0)), id="rope"),
+    pytest.param(2, 2, dict(causal=False), id="non-causal"),
+])
+def test_against_reference_and_append(backend, paged, Sq, s_new, kw):
+    dev = backend_device(backend)
+    q, kc, vc, k_new, v_new, seqlens, table = _setup(dev, Sq=Sq, s_new=s_new, paged=paged)
+    kc0, vc0 = kc.clone(), vc.clone()
+    o = flashforge.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                         backend=backend, **kw)
+    # contiguous view of the (pre-append) cache for the reference
+    if paged:
+        gather = lambda c: c[table.long()].flatten(1, 2)  # noqa: E731
+        ref_k, ref_v = gather(kc0), gather(vc0)
+    else:
+        ref_k, ref_v = kc0, vc0
+    want = _reference(q.cpu(), ref_k.cpu(), ref_v.cpu(), None if k_new is None else k_new.cpu(),
+                      None if v_new is None else v_new.cpu(), seqlens.cpu(), causal=kw.get("causal", True),
+                      window=kw.get("window"), rope=kw.get("rope"))
+    assert not torch.isnan(o).any()
+    torch.testing.assert_close(o.double().cpu(), want, rtol=1e-4, atol=1e-4)
+    # the cache changed exactly at the appended slots
+    changed = (kc != kc0).any(-1).any(-1) | (vc != vc0).any(-1).any(-1)  # [rows or blocks, slots]
+    expected = torch.zeros_like(changed)
+    for b in range(B):
+        for i in range(s_new):
+            pos = int(seqlens[b]) + i
+            if paged:
+                expected[table[b, pos // kc.shape[1]], pos % kc.shape[1]] = True
+            else:
+                expected[b, pos] = True
+    assert torch.equal(changed, expected), "the append wrote outside its slots (or missed one)"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_kv_equals_unsplit(backend):
+    dev = backend_device(backend)
+    q, kc, vc, k_new, v_new, seqlens, _ = _setup(dev, Sq=1, s_new=1)
+    outs = []
+    for splits in (1, 2, 5):
+        kcs, vcs = kc.clone(), vc.clone()
+        o, lse = flashforge.attention_with_kvcache(q, kcs, vcs, k_new, v_new, cache_seqlens=seqlens,
+                                                   num_splits=splits, return_lse=True, backend=backend)
+        outs.append((o, lse))
+    for o, lse in outs[1:]:
+        torch.testing.assert_close(o, outs[0][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse, outs[0][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_inside_equals_apply_rope_first(backend):
+    dev = backend_device(backend)
+    rope = Rope(theta=10000.0, style="interleaved", rotary_dim=16)
+    q, kc, vc, k_new, v_new, seqlens, _ = _setup(dev, Sq=2, s_new=2)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = flashforge.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, rope=rope,
+                                           backend=backend)
+    rot = dict(theta=rope.theta, style=rope.style, rotary_dim=rope.rotary_dim, backend=backend)
+    q_r = flashforge.apply_rope(q, pos=seqlens + 2 - 2, **rot)
+    k_r = flashforge.apply_rope(k_new, pos=seqlens, **rot)
+    want = flashforge.attention_with_kvcache(q_r, kc2, vc2, k_r, v_new, cache_seqlens=seqlens, backend=backend)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kc, kc2)
+
+
+def test_errors():
+    q, kc, vc = torch.randn(2, 1, 4, 16), torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
+    with pytest.raises(ValueError, match=r"k and v must be given together"):
+        flashforge.attention_with_kvcache(q, kc, vc, torch.randn(2, 1, 2, 16), cache_seqlens=3)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be an int or an int32/int64 tensor \[B\] = \[2\]"):
+        flashforge.attention_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"block_size 24; accepted: a power of two >= 16"):
+        flashforge.attention_with_kvcache(q, torch.randn(4, 24, 2, 16), torch.randn(4, 24, 2, 16), cache_seqlens=3,
+                                          block_table=torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"rope must be a flashforge.Rope or None, got dict"):
+        flashforge.attention_with_kvcache(q, kc, vc, cache_seqlens=3, rope={"theta": 1.0})
+    with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):
+        flashforge.attention_with_kvcache(q, torch.randn(2, 32, 3, 16), torch.randn(2, 32, 3, 16), cache_seqlens=3)
