@@ -532,9 +532,33 @@ def test_flash_attn_errors(call, exc, pattern):
         call()
 
 
-def test_flash_attn_with_kvcache_not_yet_implemented():
-    with pytest.raises(NotImplementedError, match=r"flash_attn_with_kvcache: .* not implemented in flashforge yet"):
-        flash_attn_with_kvcache(torch.randn(4, 2, 8))
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_flash_attn_with_kvcache_appends_rotates_and_attends(interleaved):
+    gen = torch.Generator().manual_seed(5)
+    B, S_cache, H, D, rd = 2, 32, 2, 16, 8
+    q, k_new, v_new = (torch.randn(B, 1, H, D, generator=gen) for _ in range(3))
+    kc, vc = torch.randn(B, S_cache, H, D, generator=gen), torch.randn(B, S_cache, H, D, generator=gen)
+    lens = torch.tensor([3, 20], dtype=torch.int32)
+    theta = 10000.0
+    inv = theta ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+    ang = torch.arange(64, dtype=torch.float64)[:, None] * inv
+    cos, sin = ang.cos().float(), ang.sin().float()
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+                                       causal=True, rotary_interleaved=interleaved, return_softmax_lse=True)
+    style = "interleaved" if interleaved else "half"
+    for b in range(B):
+        n = int(lens[b])
+        k_r = reference.apply_rope(k_new[b:b + 1].double(), pos=n, theta=theta, style=style, rotary_dim=rd)
+        q_r = reference.apply_rope(q[b:b + 1].double(), pos=n, theta=theta, style=style, rotary_dim=rd)
+        kb = torch.cat([kc0[b, :n].double(), k_r[0]])[None]
+        vb = torch.cat([vc0[b, :n].double(), v_new[b].double()])[None]
+        want, want_lse = reference.attention(q_r, kb, vb, causal=True, causal_offset=n, return_lse=True)
+        torch.testing.assert_close(out[b:b + 1].double(), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lse[b:b + 1].double(), want_lse, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(kc[b, n].double(), k_r[0, 0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="cache_batch_idx"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_batch_idx=torch.tensor([1, 0]))
 
 
 def _packed(lengths, H, D, gen):

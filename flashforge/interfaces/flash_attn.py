@@ -35,15 +35,19 @@ Differences, by design:
   dropout pattern is flashforge's counter-based one, not flash-attn's.
 
 The varlen functions take packed ``[total, H, D]`` tensors with ``cu_seqlens``; their
-``softmax_lse`` is ``[H, total_q]``, as flash-attn's.  Not yet available (it comes with
-KV-cache decoding): ``flash_attn_with_kvcache`` exists so that imports succeed, and raises
-``NotImplementedError`` when called; ``block_table`` in the varlen function likewise.
+``softmax_lse`` is ``[H, total_q]``, as flash-attn's (``block_table`` is not supported
+there).  ``flash_attn_with_kvcache`` runs on `flashforge.attention_with_kvcache`; its
+rotary tables are applied in PyTorch before the call (not fused yet), and
+``cache_batch_idx`` / ``cache_leftpad`` are not supported.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ..api.attention import attention
+from ..api.kvcache import attention_with_kvcache
 from ..api.varlen import attention_varlen
 from ..api.validate import check_float, check_int, check_tensor
 
@@ -210,17 +214,58 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                               return_attn_probs)
 
 
-def _not_yet(name: str, feature: str, instead: str):
-    def fn(*args, **kwargs):
-        raise NotImplementedError(f"flashforge.flash_attn_interface.{name}: {feature} is not implemented in "
-                                  f"flashforge yet. Meanwhile: {instead}")
-    fn.__name__ = fn.__qualname__ = name
-    fn.__doc__ = f"Not implemented yet ({feature}); raises NotImplementedError."
-    return fn
+def _rotate_with_tables(x, cos, sin, pos, interleaved: bool):
+    """flash-attn's rotary with precomputed tables: x ``[B, S, H, D]`` at positions ``pos [B, S]``,
+    ``cos``/``sin`` ``[seqlen_ro, rotary_dim / 2]``; the first rotary_dim dims rotate."""
+    half = cos.shape[-1]
+    c = cos[pos][:, :, None, :].float()  # [B, S, 1, rd/2]
+    s_ = sin[pos][:, :, None, :].float()
+    xr, xp = x[..., :2 * half].float(), x[..., 2 * half:]
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        out = torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1)
+    return torch.cat([out.to(x.dtype), xp], dim=-1)
 
 
-flash_attn_with_kvcache = _not_yet(
-    "flash_attn_with_kvcache", "KV-cache decoding (in-place cache updates, paged caches)",
-    "write the new keys and values into the cache yourself and call flashforge.attention(q, k_cache, "
-    "v_cache, causal=True, causal_offset=cache_seqlens), cache_seqlens being an int tensor [B] of the cache "
-    "lengths before the new tokens")
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn 2's ``flash_attn_with_kvcache``, on `flashforge.attention_with_kvcache`.
+
+    q ``[B, Sq, Hq, D]``; caches ``[B, S_cache, Hkv, D]`` or paged ``[num_blocks, block_size, Hkv, D]``
+    with ``block_table``; new ``k``, ``v`` are appended in place at ``cache_seqlens``
+    (None: the caches are full).  ``rotary_cos``/``rotary_sin`` (``[seqlen_ro, rotary_dim / 2]``)
+    rotate q and the new k at their absolute positions (``rotary_interleaved``: GPT-J pairs).
+    Queries are aligned to the end of the keys, as flash-attn.  ``num_splits=0`` picks
+    split-KV automatically.  ``cache_batch_idx`` and ``cache_leftpad`` are not supported.
+
+    Returns ``out [B, Sq, Hq, D]``, or ``(out, softmax_lse [B, Hq, Sq])``.
+    """
+    if cache_batch_idx is not None or cache_leftpad is not None:
+        raise NotImplementedError("flash_attn_with_kvcache: cache_batch_idx and cache_leftpad are not supported "
+                                  "by flashforge; index the caches yourself")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    window = _window(window_size, causal)
+    softcap = max(check_float("softcap", softcap), 0.0)
+    B, Sq = q.shape[0], q.shape[1]
+    if cache_seqlens is None:  # full caches
+        cache_seqlens = (block_table.shape[1] * k_cache.shape[1]) if block_table is not None else k_cache.shape[1]
+        cache_seqlens -= 0 if k is None else k.shape[1]
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if rotary_cos is not None:
+        s_new = 0 if k is None else k.shape[1]
+        ar = lambda n: torch.arange(n, device=q.device).view(1, n)  # noqa: E731
+        start = cache_seqlens.long().view(B, 1)
+        q = _rotate_with_tables(q, rotary_cos, rotary_sin, start + s_new - Sq + ar(Sq), rotary_interleaved)
+        if k is not None:
+            k = _rotate_with_tables(k, rotary_cos, rotary_sin, start + ar(s_new), rotary_interleaved)
+    return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+                                  causal=causal, window=window, softcap=softcap, scale=softmax_scale,
+                                  alibi_slopes=alibi_slopes, return_lse=bool(return_softmax_lse),
+                                  num_splits=None if not num_splits else num_splits)
