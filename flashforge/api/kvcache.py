@@ -2,22 +2,19 @@
 (contiguous or paged), appending the new keys and values in place first."""
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
+from ..ops.backends import backend_module
 from ..ops.params import AttnParams
 from .attention import _normalise_slopes, check_heads_and_dims, check_qkv_rank
 from .rope import apply_rope
 from .validate import check_backend, check_float, check_int, check_tensor, check_window
 
 __all__ = ["Rope", "attention_with_kvcache"]
-
-_BACKENDS = {"torch": "flashforge.ops.attention_torch", "triton": "flashforge.ops.triton.attention"}
-
 
 @dataclass(frozen=True)
 class Rope:
@@ -141,7 +138,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                             softcap=softcap, alibi_slopes=_normalise_slopes(alibi_slopes, q, B, Hq),
                             seqlens_k=seqlens_k, block_table=block_table, num_splits=num_splits)
         qc = q if q.stride(-1) == 1 else q.contiguous()
-        o, lse = importlib.import_module(_BACKENDS[backend]).attention_forward(qc, k_cache, v_cache, None, params)
+        o, lse = backend_module("attention", backend).attention_forward(qc, k_cache, v_cache, None, params)
     return (o, lse) if return_lse else o
 
 

@@ -9,22 +9,12 @@ schema here and rebuilt inside.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
 import torch
 
+from ..ops.backends import backend_module
 from ..ops.params import AttnParams
-
-_BACKENDS = {"torch": "flashforge.ops.attention_torch", "triton": "flashforge.ops.triton.attention"}
-
-
-def _backend(name: str):
-    try:
-        return importlib.import_module(_BACKENDS[name])
-    except ImportError as e:  # triton missing (e.g. macOS, Windows)
-        raise ValueError(f"backend={name!r} is not available here: {e}") from e
-
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -57,7 +47,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
     params = _params(offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale, window_left,
                      window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic,
                      allow_tf32, max_seqlen_q, max_seqlen_k)
-    return _backend(backend).attention_forward(q, k, v, mask, params)
+    return backend_module("attention", backend).attention_forward(q, k, v, mask, params)
 
 
 @attention_fwd.register_fake
@@ -85,7 +75,7 @@ def attention_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tenso
     params = _params(offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale, window_left,
                      window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic,
                      allow_tf32, max_seqlen_q, max_seqlen_k)
-    dq, dk, dv, dmask = _backend(backend).attention_backward(do, dlse, q, k, v, mask, o, lse, params, need_dmask)
+    dq, dk, dv, dmask = backend_module("attention", backend).attention_backward(do, dlse, q, k, v, mask, o, lse, params, need_dmask)
     # outputs of a custom op may not alias its inputs or each other
     return dq, dk, dv, (dmask.float() if dmask is not None else q.new_empty(0))
 

@@ -8,28 +8,18 @@ Both have fake implementations, so `torch.compile(fullgraph=True)` traces them.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
 import torch
 
+from ..ops.backends import backend_module
 from ..ops.rope_torch import RopeParams
-
-_BACKENDS = {"torch": "flashforge.ops.rope_torch", "triton": "flashforge.ops.triton.rope"}
-
-
-def _backend(name: str):
-    try:
-        return importlib.import_module(_BACKENDS[name])
-    except ImportError as e:  # triton missing (e.g. macOS, Windows)
-        raise ValueError(f"backend={name!r} is not available here: {e}") from e
-
 
 @torch.library.custom_op("flashforge::rope", mutates_args=())
 def rope(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], theta: float,
          rotary_dim: int, interleaved: bool, pos_base: int, inverse: bool, backend: str) -> torch.Tensor:
     params = RopeParams(theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, pos_base=pos_base)
-    return _backend(backend).rope(x, pos, position_ids, params, inverse=inverse)
+    return backend_module("rope", backend).rope(x, pos, position_ids, params, inverse=inverse)
 
 
 @rope.register_fake
@@ -41,7 +31,7 @@ def _(x, pos, position_ids, theta, rotary_dim, interleaved, pos_base, inverse, b
 def rope_(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], theta: float,
           rotary_dim: int, interleaved: bool, pos_base: int, backend: str) -> None:
     params = RopeParams(theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, pos_base=pos_base)
-    _backend(backend).rope(x, pos, position_ids, params, out=x)
+    backend_module("rope", backend).rope(x, pos, position_ids, params, out=x)
 
 
 @rope_.register_fake

@@ -1,0 +1,20 @@
+"""Which module implements an op on a backend: "torch" (the PyTorch path) or "triton"
+(the kernels, importable only where triton is installed)."""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+_MODULES = {
+    ("attention", "torch"): "flashforge.ops.attention_torch",
+    ("attention", "triton"): "flashforge.ops.triton.attention",
+    ("rope", "torch"): "flashforge.ops.rope_torch",
+    ("rope", "triton"): "flashforge.ops.triton.rope",
+}
+
+
+def backend_module(op: str, backend: str) -> ModuleType:
+    try:
+        return importlib.import_module(_MODULES[op, backend])
+    except ImportError as e:  # triton missing (e.g. macOS, Windows)
+        raise ValueError(f"backend={backend!r} is not available here: {e}") from e
