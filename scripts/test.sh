@@ -9,6 +9,9 @@ set -euo pipefail
 cd "$FF_ROOT"
 ff_ensure pytest "pytest>=7" "hypothesis>=6"
 ff_ensure hypothesis "hypothesis>=6"
+# optional: tests/test_transformers.py skips (with the reason) where it cannot be installed;
+# transformers does not depend on torch, so this never replaces the venv's torch
+ff_ensure transformers "transformers>=4.53" || true
 workers=()
 if ff_has_cuda; then
     workers=()  # one process drives the GPU

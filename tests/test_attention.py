@@ -92,6 +92,11 @@ DROPOUT_SOFTCAP = [
     case("softcap-causal-bias-grad", Sq=17, Sk=17, softcap=2.0, causal=True, mask="float_grad"),
     case("softcap-dropout-window", Sq=17, Sk=17, softcap=5.0, dropout_p=0.1, seed=3, window=(3, 3)),
     case("causal-bottom-right-Sq<Sk", Sq=17, Sk=33, causal=True, causal_offset="bottom_right"),
+    # few queries x a GQA group fit one tile: the forward packs the group's heads into its rows
+    case("gqa-packed-decode-bias-grad-alibi", Sq=2, Sk=33, Hq=6, Hkv=2, mask="float_grad", mask_shape="BHSqSk",
+         alibi="BH", causal=True, causal_offset="bottom_right"),
+    case("gqa-packed-dropout-softcap-window", Sq=3, Sk=40, Hq=4, Hkv=1, dropout_p=0.2, seed=9, softcap=3.0,
+         window=(7, 0), causal_offset=(30, 5)),
     case("window-bottom-right-Sq>Sk", Sq=33, Sk=17, window=(4, 2), causal_offset="bottom_right"),
     # ALiBi: -slope * |i + offset - j| after softcap, slopes [Hq] or [B, Hq]
     case("alibi-H", Sq=17, Sk=33, Hq=4, Hkv=2, alibi="H"),

@@ -7,7 +7,7 @@ idempotently)::
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="forge")
 
 Every model whose attention dispatches through transformers' ``AttentionInterface`` (most
-models in transformers 5; decoders such as Llama, Mistral, Qwen and Gemma in 4.x) then runs
+models in transformers 5; decoders such as Llama, Mistral, Qwen and Gemma from 4.53) then runs
 `flashforge.attention`: grouped-query attention without repeating K and V, causal attention
 aligned to the KV cache, sliding windows and softcapping as kernel flags, dropout in training
 with flashforge's counter-based mask (seed drawn from torch's generator).
@@ -27,7 +27,7 @@ Two functions are registered:
   - 4-D bool (True = attend) or float (added to the scores) mask: the whole visibility, as
     for SDPA; the causal flag and ``sliding_window`` are then not applied.
 
-* `mask_interface` in ``AttentionMaskInterface`` (transformers >= 4.53), which builds the
+* `mask_interface` in ``AttentionMaskInterface``, which builds the
   masks above. It returns None, so that no ``[B, 1, Sq, Sk]`` tensor is built, for a plain
   causal or sliding-window pattern without padding whose queries end where the keys end
   (prefill, decoding and chunked prefill with a dynamic cache); a zero-copy view of the
@@ -48,14 +48,10 @@ import torch
 
 try:
     from transformers import AttentionInterface
-except ImportError as e:  # transformers missing, or older than 4.48 (no AttentionInterface)
-    raise ImportError("flashforge.integrations.transformers needs transformers >= 4.48 with "
-                      "AttentionInterface; install it with: pip install 'flashforge[transformers]'") from e
-
-try:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-except ImportError:  # transformers < 4.53: the models build their masks themselves
-    AttentionMaskInterface = sdpa_mask = None
+except ImportError as e:  # transformers missing, or older than 4.53 (no AttentionMaskInterface)
+    raise ImportError("flashforge.integrations.transformers needs transformers >= 4.53; "
+                      "install it with: pip install 'flashforge[transformers]'") from e
 
 from ..api.attention import attention
 
@@ -202,7 +198,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if position_bias is not None:
         mask = _with_bias(mask, position_bias)
     causal = flags and bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    window = None
+    window = (sliding_window - 1, sliding_window - 1) if flags and sliding_window else None
     out = attention(q, k.to(q.dtype), v.to(q.dtype), causal=causal, causal_offset=Sk - Sq if flags else 0,
                     window=window, mask=mask, dropout_p=float(dropout), scale=scaling,
                     softcap=float(softcap) if softcap else 0.0, deterministic=bool(kwargs.get("deterministic")))
@@ -210,13 +206,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 def register() -> str:
-    """Register ``"forge"`` with transformers' attention (and, from 4.53, mask) interfaces.
+    """Register ``"forge"`` with transformers' attention and mask interfaces.
 
     Idempotent; also run when this module is imported. Returns the name to pass as
     ``attn_implementation``."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
-    if AttentionMaskInterface is not None:
-        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, mask_interface)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, mask_interface)
     return ATTN_IMPLEMENTATION
 
 

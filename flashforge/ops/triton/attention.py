@@ -106,14 +106,18 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     else:
         bt, page, paging = offsets, 1, (0, 0, 0)
         k_strides, v_strides = _bshd_strides(k, vl), _bshd_strides(v, vl)
-    grid = (triton.cdiv(max_sq, cfg.block_m) * splits, B * Hq)
+    group = Hq // Hkv
+    # decoding-like calls (the group's rows fit one tile) read K/V once per group
+    pack = group > 1 and max_sq * group <= cfg.block_m
+    rows, heads = (max_sq * group, Hkv) if pack else (max_sq, Hq)
+    grid = (triton.cdiv(rows, cfg.block_m) * splits, B * heads)
     attn_fwd_kernel[grid](
         q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt,
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
         *m_strides, s_ab, s_ah, *paging, *split_strides, splits,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, HAS_SEQLENS_K=params.seqlens_k is not None,
-        PAGED=paged, PAGE=page, IS_SPLIT=splits > 1,
+        PAGED=paged, PAGE=page, IS_SPLIT=splits > 1, PACK_GQA=pack,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -240,7 +240,7 @@ def attn_bwd_dq_kernel(
     V += b64 * stride_vb + hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, hi = key_range(m_start, off, win_left, win_right, Sk, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
+    lo, hi = key_range(m_start, m_start + BLOCK_M - 1, off, win_left, win_right, Sk, BLOCK_N, HAS_WL, HAS_WR)
     if IS_VARLEN:  # grids cover the longest sequence: blocks past this one's end do nothing
         hi = tl.where(m_start < Sq, hi, lo)
     for n_start in range(lo, hi, BLOCK_N):

@@ -71,7 +71,8 @@ def attn_fwd_kernel(
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, HAS_SEQLENS_K: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, PACK_GQA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # Sq, Sk: the lengths of a dense batch; for a packed (varlen) batch, the total
@@ -81,23 +82,35 @@ def attn_fwd_kernel(
     # IS_SPLIT (split-KV): axis 0 also spans num_splits slices of the keys; each
     # writes its normalised partial o and lse at split * stride_*_split, and
     # `attn_fwd_combine_kernel` merges them.
+    # PACK_GQA: axis 1 is (batch, kv head) and the tile's rows are (query, head of
+    # the group) pairs, so one program reads each K/V tile once for the whole group
+    # (decoding: Sq is tiny, the group fills the tile).
     pid_m = tl.program_id(0)
     split = 0
     if IS_SPLIT:
         split = pid_m % num_splits
         pid_m = pid_m // num_splits
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // GROUP
-    b64 = b.to(tl.int64)
-
     m_start = pid_m * BLOCK_M
-    o_m = m_start + tl.arange(0, BLOCK_M)
+    r = m_start + tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        bhk = tl.program_id(1)
+        b = bhk // (Hq // GROUP)
+        hk = bhk % (Hq // GROUP)
+        h = hk * GROUP + (r % GROUP)  # [BM]: each row's query head
+        o_m = r // GROUP  # [BM]: each row's query position
+        rows_total = Sq * GROUP
+    else:
+        bh = tl.program_id(1)
+        b = bh // Hq
+        h = bh % Hq
+        hk = h // GROUP
+        o_m = r
+        rows_total = Sq
+    b64 = b.to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     q_start, Sq_b, k_start, Sk_b = seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN, HAS_SEQLENS_K)
-    row0 = lse_row0(b, h, Hq, Sq, q_start, IS_VARLEN)
+    row0 = lse_row0(b, h, Hq, Sq, q_start, IS_VARLEN)  # scalar, or [BM] when packed
     if IS_SPLIT:
         O += tl.cast(split, tl.int64) * stride_os_split
         LSE += tl.cast(split, tl.int64) * stride_ls_split
@@ -110,10 +123,26 @@ def attn_fwd_kernel(
     O += tl.cast(q_start, tl.int64) * stride_os
     K += tl.cast(k_start, tl.int64) * stride_ks
     V += tl.cast(k_start, tl.int64) * stride_vs
+    if PACK_GQA:  # per-row heads, broadcast against [BM, BN] tiles
+        h2 = h[:, None]
+        slope2 = slope
+        if HAS_ALIBI:
+            slope2 = slope[:, None]
+        bh2 = (b * Hq + h)[:, None]
+        q_first = m_start // GROUP
+        q_last = (m_start + BLOCK_M - 1) // GROUP
+    else:
+        h2 = h
+        slope2 = slope
+        bh2 = bh
+        q_first = m_start
+        q_last = m_start + BLOCK_M - 1
+    m_row = (o_m < Sq) & (r < rows_total)  # [BM]
 
     # [BM, BD]
-    p_q = Q + b64 * stride_qb + h * stride_qh + o_m[:, None].to(tl.int64) * stride_qs + o_d[None, :]
-    b_q = tl.load(p_q, mask=(o_m[:, None] < Sq) & (o_d[None, :] < D), other=0.0)
+    p_q = (Q + b64 * stride_qb + h2 * stride_qh + o_m[:, None].to(tl.int64) * stride_qs
+           + o_d[None, :])
+    b_q = tl.load(p_q, mask=m_row[:, None] & (o_d[None, :] < D), other=0.0)
     K += b64 * stride_kb + hk * stride_kh
     V += b64 * stride_vb + hk * stride_vh
 
@@ -122,29 +151,29 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     # key tiles: [lo, full_lo) and [full_hi, hi) need the range/window test, the rest do not
-    lo, hi = key_range(m_start, off, win_left, win_right, Sk, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
+    lo, hi = key_range(q_first, q_last, off, win_left, win_right, Sk, BLOCK_N, HAS_WL, HAS_WR)
     if IS_VARLEN:  # grids cover the longest sequence: blocks past this one's end do nothing
-        hi = tl.where(m_start < Sq, hi, lo)
+        hi = tl.where(q_first < Sq, hi, lo)
     if IS_SPLIT:  # this program's share: whole tiles, in order
         per = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
         lo = lo + split * per
         hi = tl.maximum(tl.minimum(hi, lo + per), lo)
-    full_lo, full_hi = full_key_range(m_start, off, win_left, win_right, Sk, lo, hi, BLOCK_M, BLOCK_N,
+    full_lo, full_hi = full_key_range(q_first, q_last, off, win_left, win_right, Sk, lo, hi, BLOCK_N,
                                       HAS_WL, HAS_WR)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
-                               stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope, win_left,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, full_lo, full_hi, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
+                               off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
                                D, DV, False, PAGED, PAGE, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, lo, full_lo, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
-                               stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope, win_left,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, lo, full_lo, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
+                               off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
                                D, DV, True, PAGED, PAGE, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, full_hi, hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
-                               stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope, win_left,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, full_hi, hi, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
+                               off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
@@ -155,9 +184,10 @@ def attn_fwd_kernel(
     acc = acc * (drop_scale / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
-    p_o = O + b64 * stride_ob + h * stride_oh + o_m[:, None].to(tl.int64) * stride_os + o_dv[None, :]
-    tl.store(p_o, acc.to(O.dtype.element_ty), mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV))
-    tl.store(LSE + row0 + o_m, lse, mask=o_m < Sq)
+    p_o = (O + b64 * stride_ob + h2 * stride_oh + o_m[:, None].to(tl.int64) * stride_os
+           + o_dv[None, :])
+    tl.store(p_o, acc.to(O.dtype.element_ty), mask=m_row[:, None] & (o_dv[None, :] < DV))
+    tl.store(LSE + row0 + o_m, lse, mask=m_row)
 
 
 @triton.jit

@@ -134,34 +134,34 @@ def load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI: tl.constexpr):
 
 
 @triton.jit
-def key_range(m_start, off, win_left, win_right, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def key_range(q_first, q_last, off, win_left, win_right, Sk, BLOCK_N: tl.constexpr,
               HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):
-    """Keys [lo, hi) that any of the queries m_start .. m_start+BLOCK_M-1 can see;
+    """Keys [lo, hi) that any query at positions q_first .. q_last can see;
     lo is aligned to BLOCK_N (dropout draws keys in aligned groups of four)."""
     lo = 0
     hi = Sk
     if HAS_WR:
-        hi = tl.minimum(hi, m_start + BLOCK_M + off + win_right)
+        hi = tl.minimum(hi, q_last + 1 + off + win_right)
     if HAS_WL:
-        lo = tl.maximum(lo, m_start + off - win_left)
+        lo = tl.maximum(lo, q_first + off - win_left)
         lo = (lo // BLOCK_N) * BLOCK_N
     return lo, hi
 
 
 @triton.jit
-def full_key_range(m_start, off, win_left, win_right, Sk, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def full_key_range(q_first, q_last, off, win_left, win_right, Sk, lo, hi, BLOCK_N: tl.constexpr,
                    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):
-    """The tiles of [lo, hi) (lo aligned to BLOCK_N) that every query of the block
-    sees in full: keys [full_lo, full_hi), both on tile boundaries.  Tiles there
-    need no range or window test (about a fifth of a tile's arithmetic)."""
+    """The tiles of [lo, hi) (lo aligned to BLOCK_N) that every query at positions
+    q_first .. q_last sees in full: keys [full_lo, full_hi), both on tile boundaries.
+    Tiles there need no range or window test (about a fifth of a tile's arithmetic)."""
     full_hi = (Sk // BLOCK_N) * BLOCK_N
     if HAS_WR:
-        # the first query of the block sees keys up to m_start + off + win_right
-        full_hi = tl.minimum(full_hi, (tl.maximum(m_start + off + win_right + 1, 0) // BLOCK_N) * BLOCK_N)
+        # the first query sees keys up to q_first + off + win_right
+        full_hi = tl.minimum(full_hi, (tl.maximum(q_first + off + win_right + 1, 0) // BLOCK_N) * BLOCK_N)
     full_lo = lo
     if HAS_WL:
-        # the last query of the block sees keys from m_start + BLOCK_M - 1 + off - win_left
-        first = tl.maximum(m_start + BLOCK_M - 1 + off - win_left, 0)
+        # the last query sees keys from q_last + off - win_left
+        first = tl.maximum(q_last + off - win_left, 0)
         full_lo = tl.maximum(full_lo, ((first + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)

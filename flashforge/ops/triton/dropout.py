@@ -9,6 +9,7 @@ def dropout_keep(seed, threshold, bh, offs_m, offs_n, BLOCK_M: tl.constexpr, BLO
     """Keep-mask tile [BLOCK_M, BLOCK_N] for rows offs_m and keys offs_n.
 
     offs_n must be BLOCK_N consecutive keys starting at a multiple of 4.
+    bh (= b * H + h) is a scalar, or [BLOCK_M, 1] when the rows mix heads.
     threshold is the uint32 keep threshold (passed as an int).
     """
     # counter c0 = j >> 2 for the tile's BLOCK_N // 4 groups of four keys
