@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine (torch and triton already there, nothing installed):
 #   bash scripts/device.sh [pytest args...]
-#   (default: the gpu-marked tests, plus test_rope.py, test_varlen.py and test_kvcache.py, whose Triton cases run on CUDA there)
+#   (default: test_gpu.py, and the files whose Triton / cuda cases run on CUDA there: rope, varlen,
+#   kvcache, compile, transformers)
 # Runs the GPU tests, then `python -m flashforge.bench`; with $OUT set, leaves there
 # junit-gpu.xml, pytest.log, bench.json and bench.log.  Prints the pytest summary and the
 # benchmark's table last.  Exits non-zero if either fails.
@@ -26,7 +27,8 @@ BENCH_LIMIT="${FF_BENCH_LIMIT:-330}"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || true
 
 if [ "$#" -eq 0 ]; then
-    set -- tests/test_gpu.py tests/test_rope.py tests/test_varlen.py tests/test_kvcache.py tests/test_attention_torch.py::test_runs_on_cuda_tensors
+    set -- tests/test_gpu.py tests/test_rope.py tests/test_varlen.py tests/test_kvcache.py tests/test_compile.py \
+        tests/test_transformers.py tests/test_attention_torch.py::test_runs_on_cuda_tensors
 fi
 echo "== pytest $* (limit ${TEST_LIMIT}s)"
 t0=$SECONDS

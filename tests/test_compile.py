@@ -46,12 +46,17 @@ def _run(model, x, bias=None, seed=None):
     return out + grads
 
 
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_block_compiles_fullgraph_and_matches_eager(backend):
+def test_block_compiles_fullgraph_and_matches_eager(backend, device):
+    """CPU: the PyTorch path; CUDA: the Triton kernels (default backend for CUDA tensors)."""
     torch.manual_seed(0)
-    model = Block(dropout_p=0.1)
-    x = torch.randn(2, 19, 64)
-    bias = torch.randn(1, 4, 19, 19, requires_grad=True)
+    model = Block(dropout_p=0.1).to(device)
+    x = torch.randn(2, 19, 64, device=device)
+    bias = torch.randn(1, 4, 19, 19, device=device, requires_grad=True)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     eager = _run(model, x, bias, seed=5)
@@ -74,8 +79,9 @@ def test_unseeded_dropout_traces_and_follows_manual_seed():
     assert not torch.equal(a, c)
 
 
-def test_dynamic_sequence_length_does_not_recompile():
-    model = Block()
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_sequence_length_does_not_recompile(device):
+    model = Block().to(device)
     torch._dynamo.reset()
     counts = {"n": 0}
 
@@ -85,7 +91,7 @@ def test_dynamic_sequence_length_does_not_recompile():
 
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counting_backend)
     for S in (7, 13, 31, 64):
-        x = torch.randn(2, S, 64)
+        x = torch.randn(2, S, 64, device=device)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
     assert counts["n"] == 1, f"compiled {counts['n']} times for 4 sequence lengths"
 

@@ -3,6 +3,7 @@ reference on the gathered keys, cache appends touch only their slots, paged
 equals contiguous, RoPE inside equals `apply_rope` first, split equals unsplit."""
 import pytest
 import torch
+import torch._dynamo
 
 import flashforge
 from flashforge import Rope, reference
@@ -135,3 +136,20 @@ def test_errors():
         flashforge.attention_with_kvcache(q, kc, vc, cache_seqlens=3, rope={"theta": 1.0})
     with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):
         flashforge.attention_with_kvcache(q, torch.randn(2, 32, 3, 16), torch.randn(2, 32, 3, 16), cache_seqlens=3)
+
+
+def test_decode_step_compiles_fullgraph():
+    """A decoding step (append + attend) traces without graph breaks and matches eager."""
+    q, kc, vc, k_new, v_new, seqlens, table = _setup("cpu", Sq=1, s_new=1, paged=True)
+
+    def step(q, kc, vc, k, v, lens):
+        return flashforge.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=table,
+                                                 rope=Rope(), num_splits=2)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = step(q, kc, vc, k_new, v_new, seqlens)
+    got = compiled(q, kc2, vc2, k_new, v_new, seqlens)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(kc2, kc)

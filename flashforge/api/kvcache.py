@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..ops.backends import backend_module
+from ..autograd.kvcache import attention_kvcache_function
 from ..ops.params import AttnParams
 from .attention import _normalise_slopes, check_heads_and_dims, check_qkv_rank
 from .rope import apply_rope
@@ -138,7 +138,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                             softcap=softcap, alibi_slopes=_normalise_slopes(alibi_slopes, q, B, Hq),
                             seqlens_k=seqlens_k, block_table=block_table, num_splits=num_splits)
         qc = q if q.stride(-1) == 1 else q.contiguous()
-        o, lse = backend_module("attention", backend).attention_forward(qc, k_cache, v_cache, None, params)
+        o, lse = attention_kvcache_function(qc, k_cache, v_cache, params, backend)
     return (o, lse) if return_lse else o
 
 
