@@ -1,0 +1,327 @@
+"""CPU tests of benchmarks/attention_bench.py and benchmarks/sweep.py: the pure parts (FLOP and byte
+formulas, case lists, rows, table, plots), a few shrunk cases run end to end on the CPU, and the
+scripts' clean exit without CUDA."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ab = _load("attention_bench")
+sweep = _load("sweep")
+
+
+def _case(**kw):
+    base = dict(suite="fwd", mode="fwd", B=4, Sq=4096, Sk=4096, Hq=16, Hkv=16, D=128)
+    base.update(kw)
+    return ab.Case(**base)
+
+
+# ---------------------------------------------------------------------------------------------
+# formulas
+
+
+def test_flops_follow_perf_md():
+    dense = 4.0 * 4 * 16 * 4096 * 4096 * 128
+    assert ab.case_flops(_case()) == dense
+    assert ab.case_flops(_case(causal=True)) == dense / 2
+    assert ab.case_flops(_case(mode="fwdbwd", causal=True)) == pytest.approx(3.5 * dense / 2)
+    # causal window 1024 counted on the band: 4 * B * H * S * 1024 * D
+    assert ab.case_flops(_case(causal=True, window=1023)) == 4.0 * 4 * 16 * 4096 * 1024 * 128
+    # prefill: Sq = 1k queries at offset 15k see 15k + i + 1 keys: Sq * offset + Sq^2 / 2
+    pre = _case(Sq=1024, Sk=16384, causal=True, offset=15 * 1024)
+    assert ab.case_flops(pre) == 4.0 * 4 * 16 * 128 * (1024 * 15 * 1024 + 1024 * 1024 / 2)
+    # varlen: the sum over the sequences
+    vl = _case(suite="varlen", B=3, Sq=300, Sk=300, seqlens=(100, 200, 300))
+    assert ab.case_flops(vl) == 4.0 * 16 * 128 * (100**2 + 200**2 + 300**2)
+    assert ab.case_flops(ab.dataclasses.replace(vl, causal=True)) == ab.case_flops(vl) / 2
+
+
+def test_decode_bytes_and_units():
+    c = ab.Case("decode", "decode", 32, 1, 8192, 32, 8, 128)
+    assert ab.case_bytes(c) == 2 * 32 * 8192 * 8 * 128 * 2
+    assert c.unit == "GB/s" and c.pass_label == "decode" and not c.backward
+    assert ab.throughput(c, 1.0) == pytest.approx(ab.case_bytes(c) / 1e-3 / 1e9)
+    assert ab.throughput(_case(), 2.0) == pytest.approx(ab.case_flops(_case()) / 2e-3 / 1e12)
+    assert ab.throughput(_case(), None) is None
+    assert ab.memory_cases()[0].unit == "GiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# case lists
+
+
+def test_standard_grid():
+    for mode in ("fwd", "fwdbwd"):
+        cases = ab.grid_cases(mode)
+        assert len(cases) == 12
+        assert {(c.D, c.Sq, c.causal) for c in cases} == {(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384)
+                                                           for c in (False, True)}
+        for c in cases:
+            assert c.B * c.Sq == 16384 and c.Hq * c.D == 2048 and c.Hq == c.Hkv and c.Sq == c.Sk
+            assert c.mode == mode and c.suite == mode
+
+
+def test_other_suites():
+    feats = ab.feature_cases()
+    assert len(feats) == 16 and len({(c.label, c.mode) for c in feats}) == 16
+    gqa = [c for c in feats if c.Hq != c.Hkv]
+    assert {(c.Hq, c.Hkv, c.causal) for c in gqa} == {(32, 8, True)}
+    assert any(c.dropout == 0.1 and c.bias and c.mode == "fwdbwd" for c in feats)
+    assert any(c.bias_grad for c in feats) and any(c.deterministic for c in feats)
+    win = [c for c in feats if c.window is not None]
+    assert win and all(c.window == 1023 and c.causal and "flash" not in c.peers for c in win)
+    pre = [c for c in feats if c.offset]
+    assert len(pre) == 1 and pre[0].Sq == 1024 and pre[0].Sk == 16384 and pre[0].offset == 15 * 1024
+
+    dec = ab.decode_cases()
+    assert len(dec) == 11  # 4 x 3 minus B = 128 with a 128k cache (69 GB)
+    assert all(ab.case_bytes(c) <= ab.DECODE_CACHE_LIMIT and c.Sq == 1 and (c.Hq, c.Hkv, c.D) == (32, 8, 128)
+               for c in dec)
+    assert (128, 131072) not in {(c.B, c.Sk) for c in dec}
+
+    lens = ab.varlen_lengths(16, 16384)
+    assert len(lens) == 16 and sum(lens) == 16384 and min(lens) >= 128 and len(set(lens)) > 1
+    assert lens == ab.varlen_lengths(16, 16384)  # reproducible
+    assert [c.seqlens for c in ab.varlen_cases()] == [lens] * 4
+
+    mem = ab.memory_cases()
+    assert [(c.B, c.Sq, c.Hq, c.D, c.causal, c.mode) for c in mem] == [(1, 131072, 16, 128, True, "memory")]
+
+    hd = ab.headdim_cases()
+    assert len(hd) == 10 and {c.D for c in hd} == {32, 96, 256, 64, 128}
+    assert {c.D for c in hd if c.dtype == "float32"} == {64, 128}
+    assert len(ab.headdim_cases("float32")) == 6
+
+
+def test_parse_suites():
+    assert ab.parse_suites("all") == list(ab.ALL_ORDER)
+    assert sorted(ab.ALL_ORDER) == sorted(ab.SUITES)
+    assert ab.parse_suites("fwd, decode") == ["fwd", "decode"]
+    with pytest.raises(ValueError, match="unknown suite"):
+        ab.parse_suites("fwd,nope")
+    assert ab.count_timed(ab.decode_cases()) == 11 * 5
+
+
+def test_trim_flex_for_all():
+    cases = [c for s in ab.ALL_ORDER for c in ab.build_cases(s)]
+    trimmed = ab.trim_flex(cases)
+    assert [(c.suite, c.mode, c.label) for c in trimmed] == [(c.suite, c.mode, c.label) for c in cases]
+    flex = {(c.suite, c.D) for c in trimmed if "flex" in c.peers}
+    assert ("fwd", 64) not in flex and ("fwd", 128) in flex and ("fwdbwd", 128) in flex
+    assert {d for s, d in flex if s == "headdims"} == {256}
+    assert ("decode", 128) in flex and ("varlen", 128) in flex and ("features", 128) in flex
+
+
+def test_timing_plan():
+    assert ab.timing_plan(300, 25, 100, 200) == (25, 100)
+    assert ab.timing_plan(300, 25, 100, None) == (25, 100)
+    w, r = ab.timing_plan(3000, 25, 100, 200)
+    assert 5 <= w < 25 and 20 <= r < 100
+
+
+# ---------------------------------------------------------------------------------------------
+# rows, table, plots
+
+
+def test_ratios():
+    assert ab.ratios(300.0, {"cudnn": 600.0, "flex": 400.0}, "TFLOP/s") == (0.5, 0.5, "cudnn")
+    assert ab.ratios(300.0, {"cudnn": None, "flash": 200.0, "flex": 400.0}, "TFLOP/s") == (None, 0.75, "flex")
+    assert ab.ratios(2.0, {"cudnn": None, "flash": 4.0, "x": 8.0}, "GiB") == (None, 0.5, "flash")
+    assert ab.ratios(None, {"cudnn": 1.0}, "TFLOP/s") == (None, None, None)
+    assert ab.ratios(1.0, {"cudnn": None}, "TFLOP/s") == (None, None, None)
+
+
+def _fake_rows():
+    rows = []
+    for c in ab.grid_cases("fwd"):
+        rows.append(ab.make_row(c, 300.0 + c.D, {"cudnn": 500.0, "flash": None if c.causal else 320.0,
+                                                 "efficient": 200.0, "flex": 350.0}, ok=True))
+    for c in ab.decode_cases()[:4]:
+        for layout in ("contiguous", "paged"):
+            rows.append(ab.make_row(c, 2000.0, {"cudnn": 3000.0, "flash": None, "flex": 1500.0}, ok=True,
+                                    layout=layout))
+    for c in ab.feature_cases()[:6]:
+        rows.append(ab.make_row(c, 250.0, {n: (None if n == "cudnn" else 260.0) for n in c.peers},
+                                ok=c.mode == "fwd", error="" if c.mode == "fwd" else "differs from cudnn: o=1e-1"))
+    return rows
+
+
+def test_row_json_and_table():
+    rows = _fake_rows()
+    r = rows[0]
+    assert set(r) >= {"suite", "case", "ours", "peers", "unit", "ratio_cudnn", "ok", "error"}
+    assert r["ratio_cudnn"] == pytest.approx(364 / 500) and r["ratio_to"] == "cudnn"
+    json.loads(json.dumps({"environment": {}, "rows": rows}))  # plain JSON
+    dec = [x for x in rows if x["suite"] == "decode"]
+    assert {x["case"]["layout"] for x in dec} == {"contiguous", "paged"} and dec[0]["unit"] == "GB/s"
+
+    table = ab.format_table([x for x in rows if x["suite"] == "fwd"], "fwd bfloat16")
+    lines = table.splitlines()
+    assert lines[0].startswith("== fwd bfloat16 (TFLOP/s")
+    assert len(lines) == 2 + 1 + 12  # title, header, rule, rows
+    assert "D=64 S=1k causal" in table and " - " in table and "0.73" in table and "mem-eff" in table
+    feats = ab.format_table([x for x in rows if x["suite"] == "features"], "features")
+    assert "FAIL" in feats and "notes:" in feats and "differs from cudnn" in feats
+    assert "flash" in feats.splitlines()[3] or "flex" in feats  # ratio to the best peer is named
+    assert ab.format_table([]) == ""
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = _fake_rows()
+    for suite in ("fwd", "decode", "features"):
+        path = tmp_path / f"{suite}.png"
+        assert ab.plot_rows([x for x in rows if x["suite"] == suite], str(path), suite) is None
+        assert path.read_bytes()[:4] == b"\x89PNG"
+    assert ab.plot_rows(rows, str(tmp_path / "all.png"), "all") is None
+    assert (tmp_path / "all.png").stat().st_size > 1000
+
+
+def test_plot_without_data_or_matplotlib(tmp_path):
+    c = ab.grid_cases("fwd")[0]
+    assert ab.plot_rows([ab.make_row(c, None, {"cudnn": None}, ok=False)], str(tmp_path / "x.png"), "x") \
+        == "nothing to plot"
+    assert not (tmp_path / "x.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# masks: the peers get the same problem as flashforge
+
+
+def test_band_mask_matches_flashforge_and_flex_mask_mod():
+    import flashforge
+    g = torch.Generator().manual_seed(0)
+    Sq, Sk, off, w = 12, 40, 28, 9
+    q, k, v = (torch.randn(1, n, 2, 16, generator=g) for n in (Sq, Sk, Sk))
+    keep = ab.band_mask(Sq, Sk, off, w)
+    ours = flashforge.attention(q, k, v, causal=True, causal_offset=off, window=(w, 0), backend="torch")
+    sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=keep).transpose(1, 2)
+    torch.testing.assert_close(ours, sdpa, atol=1e-5, rtol=1e-5)
+    i, j = torch.arange(Sq).view(-1, 1), torch.arange(Sk).view(1, -1)
+    assert torch.equal(ab.band_mod(off, w)(0, 0, i, j), keep[0, 0])
+    assert ab.band_mod(off, w) is ab.band_mod(off, w)  # one function object: no Flex recompiles
+    assert torch.equal(ab.band_mod(0, None)(0, 0, i, j[:, :Sq]), torch.ones(Sq, Sq).tril().bool())
+    doc = torch.tensor([0, 0, 1, 1, 1])
+    m = ab.doc_mod(doc, True)(0, 0, torch.arange(5).view(-1, 1), torch.arange(5).view(1, -1))
+    assert m.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+
+
+def test_rel_errors():
+    a = torch.ones(4, 4)
+    assert ab.rel_errors([a], [a]) == {"o": 0.0}
+    assert ab.rel_errors([a * 1.01], [a])["o"] == pytest.approx(0.01, rel=1e-3)
+    assert ab.rel_errors([a.clone().fill_(float("nan"))], [a])["o"] == math.inf
+    assert ab.rel_errors([a[:2]], [a])["o"] == math.inf
+    assert ab.finite_check([a, a[:1]], [(4, 4), (4, 4)]) == {"o": 0.0, "dq": math.inf}
+
+
+# ---------------------------------------------------------------------------------------------
+# shrunk cases, end to end on the CPU (the harness, not the numbers)
+
+
+@pytest.mark.parametrize("pick", [
+    lambda: ab.grid_cases("fwd")[1],
+    lambda: ab.grid_cases("fwdbwd")[1],
+    lambda: ab.decode_cases()[0],
+    lambda: next(c for c in ab.feature_cases() if c.dropout),
+    lambda: next(c for c in ab.feature_cases() if c.bias_grad),
+    lambda: ab.varlen_cases()[3],
+], ids=["fwd", "fwdbwd", "decode", "dropout", "bias-grad", "varlen"])
+def test_cpu_smoke_case(pick):
+    case = ab.shrink(pick())
+    runner = ab.Runner(torch.device("cpu"), flex_compiled=False, skip=("flex",))
+    rows = runner.run_case(case)
+    assert len(rows) == (2 if case.mode == "decode" else 1)
+    for r in rows:
+        assert r["ok"], r
+        assert r["ours"] is not None and r["ours"] > 0
+        assert set(r["peers"]) == set(case.peers) - {"flex"}
+        if not case.dropout:
+            assert r["check"]["ref"] and max(r["check"]["ours"].values()) < 2e-2
+    json.dumps(rows)
+
+
+def test_main_cpu_smoke_writes_json(tmp_path, capsys):
+    rc = ab.main(["--suite", "fwd", "--filter", "D=64 S=1k causal", "--cpu-smoke", "--out", str(tmp_path),
+                  "--skip", "flex"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    report = json.loads((tmp_path / "fwd.json").read_text())
+    assert report["ok"] and len(report["rows"]) == 1 and report["environment"]["torch"] == torch.__version__
+    assert "== fwd" in out and out.rstrip().splitlines()[-1].startswith("RESULT: ok")
+
+
+# ---------------------------------------------------------------------------------------------
+# no CUDA: a clear message, no traceback
+
+
+def test_script_exits_cleanly_without_cuda(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "attention_bench.py"), "--suite", "fwd",
+                           "--out", str(tmp_path / "x")], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_sweep_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sweep.main(["--head-dim", "128"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_sweep_pure_parts():
+    from flashforge.ops.triton.configs import TileConfig
+    assert sweep.shape(128) == (4, 16) and sweep.shape(64, 1024) == (16, 32)
+    assert sweep.fwd_flops(4, 16, 4096, 128, True) == 4.0 * 4 * 16 * 4096 * 4096 * 128 / 2
+    assert sweep.head_dim_bucket(96) == 128 and sweep.head_dim_bucket(32) == 64
+    cur = TileConfig(128, 64, 8, 3)
+    cands = sweep.candidates("fwd", current=cur)
+    assert cands[0] == cur and len(cands) == 36 and len(set(cands)) == 36
+    odd = TileConfig(32, 16, 2, 1)
+    assert sweep.candidates("bwd_q", quick=True, current=odd)[0] == odd
+    assert len(sweep.candidates("bwd_kv", quick=True)) == 24
+    assert sweep.table_line("fwd", 128, 2, cur).strip() == '("fwd", 128, 2): TileConfig(128, 64, 8, 3),'
+
+
+def test_sweep_kind_ranks_correct_configs_only():
+    from flashforge.ops.triton import configs
+    from flashforge.ops.triton.configs import TileConfig
+    ref = [torch.ones(8)]
+    seen = []
+
+    def run():  # what the kernel would compute under the config now in the table
+        cfg = configs.get_config("fwd", 128, 2, False)
+        seen.append(cfg)
+        if cfg.block_n == 32:
+            raise RuntimeError("out of resources: shared memory")
+        return [ref[0] * (2.0 if cfg.num_warps == 8 else 1.0)]
+    cands = [TileConfig(128, 64, 4, 3), TileConfig(64, 32, 4, 2), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 2)]
+    times = iter([2.0, 1.0])
+    res = sweep.sweep_kind("fwd", {"fwd": (run, ref)}, cands, 128, 2, 2e-2, 1e12, None, lambda fn: next(times),
+                           log=lambda s: None)
+    assert seen == cands
+    assert configs.get_config("fwd", 128, 2, False) == configs._TABLE[("fwd", 128, 2)]  # restored
+    assert [r["ok"] for r in res] == [True, False, False, True]
+    assert "shared memory" in res[1]["error"] and res[2]["error"].startswith("wrong")
+    assert res[3]["tflops"] == pytest.approx(1e12 / 1e-3 / 1e12)
+    text = sweep.report("fwd", res, 128, 2, 3)
+    assert "2 of 4 configs ran correctly" in text and "(2.00x table)" in text
+    assert text.splitlines()[-1].strip() == 'table entry: ("fwd", 128, 2): TileConfig(64, 64, 4, 2),'
