@@ -32,6 +32,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from attention.report import environment  # benchmarks/attention/: on sys.path as this script's folder
+from attention.runner import Runner
+
 KINDS = {"fwd": ("fwd",), "bwd": ("bwd_kv", "bwd_q"), "all": ("fwd", "bwd_kv", "bwd_q")}
 # candidate axes per kind: block_m, block_n, num_warps, num_stages
 GRID = {
@@ -180,8 +183,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"sweep: unknown kind {bad}; choose from {', '.join(GRID)}", file=sys.stderr)
         return 2
 
-    import triton
-    import triton.testing
     import flashforge
     from flashforge.ops.triton.configs import get_config
 
@@ -197,12 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q, k, v, do = (torch.randn(B, S, H, D, generator=g, device=dev, dtype=dtype) for _ in range(4))
     flops = fwd_flops(B, H, S, D, args.causal)
 
-    def bench(fn):
-        if dev.type == "cpu":
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-        return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
+    bench = Runner(dev, args.warmup, args.rep).time_ms  # do_bench median; on the CPU one wall-clock run
 
     runs: dict = {}
     if "fwd" in kinds:
@@ -222,10 +218,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 runs[kd] = (run_bwd, ref)
     _sync()
 
-    gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    env = environment(dev, vars(args))
+    gpu = env.get("gpu", "cpu")
     label = f"D{D}_{args.dtype}_{'causal' if args.causal else 'full'}_{args.pass_ if not args.kinds else '+'.join(kinds)}"
     print(f"sweep {label}: B={B} S={S} H={H} D={D} {args.dtype}{' causal' if args.causal else ''}; "
-          f"{gpu} torch {torch.__version__} triton {triton.__version__}")
+          f"{gpu} torch {torch.__version__} triton {env['triton']}")
     results: dict = {}
     summary = []
     for kind in kinds:
@@ -241,8 +238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     best = {kd: max((r for r in res if r["ok"]), key=lambda r: r["tflops"], default=None) for kd, res in results.items()}
     with open(path, "w") as f:
         json.dump({"shape": {"B": B, "S": S, "H": H, "D": D, "dtype": args.dtype, "causal": args.causal},
-                   "environment": {"gpu": gpu, "torch": torch.__version__,
-                                   "triton": triton.__version__, "flashforge": flashforge.__version__},
+                   "environment": dict(env, gpu=gpu),
                    "flops_convention": "fwd 4*B*H*S*S*D (halved causal); bwd kinds time the whole backward, 2.5x",
                    "results": results, "best": {kd: (b["config"] if b else None) for kd, b in best.items()},
                    "seconds": round(time.perf_counter() - t_start, 1)}, f, indent=1)

@@ -1,6 +1,7 @@
-"""CPU tests of benchmarks/attention_bench.py and benchmarks/sweep.py: the pure parts (FLOP and byte
-formulas, case lists, rows, table, plots), a few shrunk cases run end to end on the CPU, and the
-scripts' clean exit without CUDA."""
+"""CPU tests of benchmarks/attention_bench.py (its package, benchmarks/attention/) and benchmarks/sweep.py:
+the pure parts (FLOP and byte formulas, case lists, rows, table, plots), a few shrunk cases run end to end
+on the CPU, and the scripts' clean exit without CUDA."""
+import dataclasses
 import importlib.util
 import json
 import math
@@ -13,6 +14,17 @@ import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the scripts' folder: benchmarks/attention/ imports as `attention`, as it does for the scripts run there
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from attention.cases import (ALL_ORDER, DECODE_CACHE_LIMIT, SUITES, Case, build_cases, case_bytes,  # noqa: E402
+                             case_flops, decode_cases, feature_cases, grid_cases, headdim_cases, memory_cases,
+                             parse_suites, shrink, throughput, trim_flex, varlen_cases, varlen_lengths)
+from attention.cli import main  # noqa: E402
+from attention.impls import band_mask, band_mod, doc_mod, finite_check, rel_errors  # noqa: E402
+from attention.plots import plot_rows  # noqa: E402
+from attention.report import format_table, make_row, ratios  # noqa: E402
+from attention.runner import Runner, count_timed, timing_plan  # noqa: E402
 
 
 def _load(name):
@@ -23,14 +35,13 @@ def _load(name):
     return mod
 
 
-ab = _load("attention_bench")
 sweep = _load("sweep")
 
 
 def _case(**kw):
     base = dict(suite="fwd", mode="fwd", B=4, Sq=4096, Sk=4096, Hq=16, Hkv=16, D=128)
     base.update(kw)
-    return ab.Case(**base)
+    return Case(**base)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,28 +50,28 @@ def _case(**kw):
 
 def test_flops_follow_perf_md():
     dense = 4.0 * 4 * 16 * 4096 * 4096 * 128
-    assert ab.case_flops(_case()) == dense
-    assert ab.case_flops(_case(causal=True)) == dense / 2
-    assert ab.case_flops(_case(mode="fwdbwd", causal=True)) == pytest.approx(3.5 * dense / 2)
+    assert case_flops(_case()) == dense
+    assert case_flops(_case(causal=True)) == dense / 2
+    assert case_flops(_case(mode="fwdbwd", causal=True)) == pytest.approx(3.5 * dense / 2)
     # causal window 1024 counted on the band: 4 * B * H * S * 1024 * D
-    assert ab.case_flops(_case(causal=True, window=1023)) == 4.0 * 4 * 16 * 4096 * 1024 * 128
+    assert case_flops(_case(causal=True, window=1023)) == 4.0 * 4 * 16 * 4096 * 1024 * 128
     # prefill: Sq = 1k queries at offset 15k see 15k + i + 1 keys: Sq * offset + Sq^2 / 2
     pre = _case(Sq=1024, Sk=16384, causal=True, offset=15 * 1024)
-    assert ab.case_flops(pre) == 4.0 * 4 * 16 * 128 * (1024 * 15 * 1024 + 1024 * 1024 / 2)
+    assert case_flops(pre) == 4.0 * 4 * 16 * 128 * (1024 * 15 * 1024 + 1024 * 1024 / 2)
     # varlen: the sum over the sequences
     vl = _case(suite="varlen", B=3, Sq=300, Sk=300, seqlens=(100, 200, 300))
-    assert ab.case_flops(vl) == 4.0 * 16 * 128 * (100**2 + 200**2 + 300**2)
-    assert ab.case_flops(ab.dataclasses.replace(vl, causal=True)) == ab.case_flops(vl) / 2
+    assert case_flops(vl) == 4.0 * 16 * 128 * (100**2 + 200**2 + 300**2)
+    assert case_flops(dataclasses.replace(vl, causal=True)) == case_flops(vl) / 2
 
 
 def test_decode_bytes_and_units():
-    c = ab.Case("decode", "decode", 32, 1, 8192, 32, 8, 128)
-    assert ab.case_bytes(c) == 2 * 32 * 8192 * 8 * 128 * 2
+    c = Case("decode", "decode", 32, 1, 8192, 32, 8, 128)
+    assert case_bytes(c) == 2 * 32 * 8192 * 8 * 128 * 2
     assert c.unit == "GB/s" and c.pass_label == "decode" and not c.backward
-    assert ab.throughput(c, 1.0) == pytest.approx(ab.case_bytes(c) / 1e-3 / 1e9)
-    assert ab.throughput(_case(), 2.0) == pytest.approx(ab.case_flops(_case()) / 2e-3 / 1e12)
-    assert ab.throughput(_case(), None) is None
-    assert ab.memory_cases()[0].unit == "GiB"
+    assert throughput(c, 1.0) == pytest.approx(case_bytes(c) / 1e-3 / 1e9)
+    assert throughput(_case(), 2.0) == pytest.approx(case_flops(_case()) / 2e-3 / 1e12)
+    assert throughput(_case(), None) is None
+    assert memory_cases()[0].unit == "GiB"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,7 +80,7 @@ def test_decode_bytes_and_units():
 
 def test_standard_grid():
     for mode in ("fwd", "fwdbwd"):
-        cases = ab.grid_cases(mode)
+        cases = grid_cases(mode)
         assert len(cases) == 12
         assert {(c.D, c.Sq, c.causal) for c in cases} == {(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384)
                                                            for c in (False, True)}
@@ -79,7 +90,7 @@ def test_standard_grid():
 
 
 def test_other_suites():
-    feats = ab.feature_cases()
+    feats = feature_cases()
     assert len(feats) == 16 and len({(c.label, c.mode) for c in feats}) == 16
     gqa = [c for c in feats if c.Hq != c.Hkv]
     assert {(c.Hq, c.Hkv, c.causal) for c in gqa} == {(32, 8, True)}
@@ -90,38 +101,38 @@ def test_other_suites():
     pre = [c for c in feats if c.offset]
     assert len(pre) == 1 and pre[0].Sq == 1024 and pre[0].Sk == 16384 and pre[0].offset == 15 * 1024
 
-    dec = ab.decode_cases()
+    dec = decode_cases()
     assert len(dec) == 11  # 4 x 3 minus B = 128 with a 128k cache (69 GB)
-    assert all(ab.case_bytes(c) <= ab.DECODE_CACHE_LIMIT and c.Sq == 1 and (c.Hq, c.Hkv, c.D) == (32, 8, 128)
+    assert all(case_bytes(c) <= DECODE_CACHE_LIMIT and c.Sq == 1 and (c.Hq, c.Hkv, c.D) == (32, 8, 128)
                for c in dec)
     assert (128, 131072) not in {(c.B, c.Sk) for c in dec}
 
-    lens = ab.varlen_lengths(16, 16384)
+    lens = varlen_lengths(16, 16384)
     assert len(lens) == 16 and sum(lens) == 16384 and min(lens) >= 128 and len(set(lens)) > 1
-    assert lens == ab.varlen_lengths(16, 16384)  # reproducible
-    assert [c.seqlens for c in ab.varlen_cases()] == [lens] * 4
+    assert lens == varlen_lengths(16, 16384)  # reproducible
+    assert [c.seqlens for c in varlen_cases()] == [lens] * 4
 
-    mem = ab.memory_cases()
+    mem = memory_cases()
     assert [(c.B, c.Sq, c.Hq, c.D, c.causal, c.mode) for c in mem] == [(1, 131072, 16, 128, True, "memory")]
 
-    hd = ab.headdim_cases()
+    hd = headdim_cases()
     assert len(hd) == 10 and {c.D for c in hd} == {32, 96, 256, 64, 128}
     assert {c.D for c in hd if c.dtype == "float32"} == {64, 128}
-    assert len(ab.headdim_cases("float32")) == 6
+    assert len(headdim_cases("float32")) == 6
 
 
 def test_parse_suites():
-    assert ab.parse_suites("all") == list(ab.ALL_ORDER)
-    assert sorted(ab.ALL_ORDER) == sorted(ab.SUITES)
-    assert ab.parse_suites("fwd, decode") == ["fwd", "decode"]
+    assert parse_suites("all") == list(ALL_ORDER)
+    assert sorted(ALL_ORDER) == sorted(SUITES)
+    assert parse_suites("fwd, decode") == ["fwd", "decode"]
     with pytest.raises(ValueError, match="unknown suite"):
-        ab.parse_suites("fwd,nope")
-    assert ab.count_timed(ab.decode_cases()) == 11 * 5
+        parse_suites("fwd,nope")
+    assert count_timed(decode_cases()) == 11 * 5
 
 
 def test_trim_flex_for_all():
-    cases = [c for s in ab.ALL_ORDER for c in ab.build_cases(s)]
-    trimmed = ab.trim_flex(cases)
+    cases = [c for s in ALL_ORDER for c in build_cases(s)]
+    trimmed = trim_flex(cases)
     assert [(c.suite, c.mode, c.label) for c in trimmed] == [(c.suite, c.mode, c.label) for c in cases]
     flex = {(c.suite, c.D) for c in trimmed if "flex" in c.peers}
     assert ("fwd", 64) not in flex and ("fwd", 128) in flex and ("fwdbwd", 128) in flex
@@ -130,9 +141,9 @@ def test_trim_flex_for_all():
 
 
 def test_timing_plan():
-    assert ab.timing_plan(300, 25, 100, 200) == (25, 100)
-    assert ab.timing_plan(300, 25, 100, None) == (25, 100)
-    w, r = ab.timing_plan(3000, 25, 100, 200)
+    assert timing_plan(300, 25, 100, 200) == (25, 100)
+    assert timing_plan(300, 25, 100, None) == (25, 100)
+    w, r = timing_plan(3000, 25, 100, 200)
     assert 5 <= w < 25 and 20 <= r < 100
 
 
@@ -141,24 +152,24 @@ def test_timing_plan():
 
 
 def test_ratios():
-    assert ab.ratios(300.0, {"cudnn": 600.0, "flex": 400.0}, "TFLOP/s") == (0.5, 0.5, "cudnn")
-    assert ab.ratios(300.0, {"cudnn": None, "flash": 200.0, "flex": 400.0}, "TFLOP/s") == (None, 0.75, "flex")
-    assert ab.ratios(2.0, {"cudnn": None, "flash": 4.0, "x": 8.0}, "GiB") == (None, 0.5, "flash")
-    assert ab.ratios(None, {"cudnn": 1.0}, "TFLOP/s") == (None, None, None)
-    assert ab.ratios(1.0, {"cudnn": None}, "TFLOP/s") == (None, None, None)
+    assert ratios(300.0, {"cudnn": 600.0, "flex": 400.0}, "TFLOP/s") == (0.5, 0.5, "cudnn")
+    assert ratios(300.0, {"cudnn": None, "flash": 200.0, "flex": 400.0}, "TFLOP/s") == (None, 0.75, "flex")
+    assert ratios(2.0, {"cudnn": None, "flash": 4.0, "x": 8.0}, "GiB") == (None, 0.5, "flash")
+    assert ratios(None, {"cudnn": 1.0}, "TFLOP/s") == (None, None, None)
+    assert ratios(1.0, {"cudnn": None}, "TFLOP/s") == (None, None, None)
 
 
 def _fake_rows():
     rows = []
-    for c in ab.grid_cases("fwd"):
-        rows.append(ab.make_row(c, 300.0 + c.D, {"cudnn": 500.0, "flash": None if c.causal else 320.0,
+    for c in grid_cases("fwd"):
+        rows.append(make_row(c, 300.0 + c.D, {"cudnn": 500.0, "flash": None if c.causal else 320.0,
                                                  "efficient": 200.0, "flex": 350.0}, ok=True))
-    for c in ab.decode_cases()[:4]:
+    for c in decode_cases()[:4]:
         for layout in ("contiguous", "paged"):
-            rows.append(ab.make_row(c, 2000.0, {"cudnn": 3000.0, "flash": None, "flex": 1500.0}, ok=True,
+            rows.append(make_row(c, 2000.0, {"cudnn": 3000.0, "flash": None, "flex": 1500.0}, ok=True,
                                     layout=layout))
-    for c in ab.feature_cases()[:6]:
-        rows.append(ab.make_row(c, 250.0, {n: (None if n == "cudnn" else 260.0) for n in c.peers},
+    for c in feature_cases()[:6]:
+        rows.append(make_row(c, 250.0, {n: (None if n == "cudnn" else 260.0) for n in c.peers},
                                 ok=c.mode == "fwd", error="" if c.mode == "fwd" else "differs from cudnn: o=1e-1"))
     return rows
 
@@ -172,15 +183,15 @@ def test_row_json_and_table():
     dec = [x for x in rows if x["suite"] == "decode"]
     assert {x["case"]["layout"] for x in dec} == {"contiguous", "paged"} and dec[0]["unit"] == "GB/s"
 
-    table = ab.format_table([x for x in rows if x["suite"] == "fwd"], "fwd bfloat16")
+    table = format_table([x for x in rows if x["suite"] == "fwd"], "fwd bfloat16")
     lines = table.splitlines()
     assert lines[0].startswith("== fwd bfloat16 (TFLOP/s")
     assert len(lines) == 2 + 1 + 12  # title, header, rule, rows
     assert "D=64 S=1k causal" in table and " - " in table and "0.73" in table and "mem-eff" in table
-    feats = ab.format_table([x for x in rows if x["suite"] == "features"], "features")
+    feats = format_table([x for x in rows if x["suite"] == "features"], "features")
     assert "FAIL" in feats and "notes:" in feats and "differs from cudnn" in feats
     assert "flash" in feats.splitlines()[3] or "flex" in feats  # ratio to the best peer is named
-    assert ab.format_table([]) == ""
+    assert format_table([]) == ""
 
 
 def test_plots(tmp_path):
@@ -188,15 +199,15 @@ def test_plots(tmp_path):
     rows = _fake_rows()
     for suite in ("fwd", "decode", "features"):
         path = tmp_path / f"{suite}.png"
-        assert ab.plot_rows([x for x in rows if x["suite"] == suite], str(path), suite) is None
+        assert plot_rows([x for x in rows if x["suite"] == suite], str(path), suite) is None
         assert path.read_bytes()[:4] == b"\x89PNG"
-    assert ab.plot_rows(rows, str(tmp_path / "all.png"), "all") is None
+    assert plot_rows(rows, str(tmp_path / "all.png"), "all") is None
     assert (tmp_path / "all.png").stat().st_size > 1000
 
 
 def test_plot_without_data_or_matplotlib(tmp_path):
-    c = ab.grid_cases("fwd")[0]
-    assert ab.plot_rows([ab.make_row(c, None, {"cudnn": None}, ok=False)], str(tmp_path / "x.png"), "x") \
+    c = grid_cases("fwd")[0]
+    assert plot_rows([make_row(c, None, {"cudnn": None}, ok=False)], str(tmp_path / "x.png"), "x") \
         == "nothing to plot"
     assert not (tmp_path / "x.png").exists()
 
@@ -210,27 +221,27 @@ def test_band_mask_matches_flashforge_and_flex_mask_mod():
     g = torch.Generator().manual_seed(0)
     Sq, Sk, off, w = 12, 40, 28, 9
     q, k, v = (torch.randn(1, n, 2, 16, generator=g) for n in (Sq, Sk, Sk))
-    keep = ab.band_mask(Sq, Sk, off, w)
+    keep = band_mask(Sq, Sk, off, w)
     ours = flashforge.attention(q, k, v, causal=True, causal_offset=off, window=(w, 0), backend="torch")
     sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           attn_mask=keep).transpose(1, 2)
     torch.testing.assert_close(ours, sdpa, atol=1e-5, rtol=1e-5)
     i, j = torch.arange(Sq).view(-1, 1), torch.arange(Sk).view(1, -1)
-    assert torch.equal(ab.band_mod(off, w)(0, 0, i, j), keep[0, 0])
-    assert ab.band_mod(off, w) is ab.band_mod(off, w)  # one function object: no Flex recompiles
-    assert torch.equal(ab.band_mod(0, None)(0, 0, i, j[:, :Sq]), torch.ones(Sq, Sq).tril().bool())
+    assert torch.equal(band_mod(off, w)(0, 0, i, j), keep[0, 0])
+    assert band_mod(off, w) is band_mod(off, w)  # one function object: no Flex recompiles
+    assert torch.equal(band_mod(0, None)(0, 0, i, j[:, :Sq]), torch.ones(Sq, Sq).tril().bool())
     doc = torch.tensor([0, 0, 1, 1, 1])
-    m = ab.doc_mod(doc, True)(0, 0, torch.arange(5).view(-1, 1), torch.arange(5).view(1, -1))
+    m = doc_mod(doc, True)(0, 0, torch.arange(5).view(-1, 1), torch.arange(5).view(1, -1))
     assert m.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
 
 
 def test_rel_errors():
     a = torch.ones(4, 4)
-    assert ab.rel_errors([a], [a]) == {"o": 0.0}
-    assert ab.rel_errors([a * 1.01], [a])["o"] == pytest.approx(0.01, rel=1e-3)
-    assert ab.rel_errors([a.clone().fill_(float("nan"))], [a])["o"] == math.inf
-    assert ab.rel_errors([a[:2]], [a])["o"] == math.inf
-    assert ab.finite_check([a, a[:1]], [(4, 4), (4, 4)]) == {"o": 0.0, "dq": math.inf}
+    assert rel_errors([a], [a]) == {"o": 0.0}
+    assert rel_errors([a * 1.01], [a])["o"] == pytest.approx(0.01, rel=1e-3)
+    assert rel_errors([a.clone().fill_(float("nan"))], [a])["o"] == math.inf
+    assert rel_errors([a[:2]], [a])["o"] == math.inf
+    assert finite_check([a, a[:1]], [(4, 4), (4, 4)]) == {"o": 0.0, "dq": math.inf}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,16 +249,16 @@ def test_rel_errors():
 
 
 @pytest.mark.parametrize("pick", [
-    lambda: ab.grid_cases("fwd")[1],
-    lambda: ab.grid_cases("fwdbwd")[1],
-    lambda: ab.decode_cases()[0],
-    lambda: next(c for c in ab.feature_cases() if c.dropout),
-    lambda: next(c for c in ab.feature_cases() if c.bias_grad),
-    lambda: ab.varlen_cases()[3],
+    lambda: grid_cases("fwd")[1],
+    lambda: grid_cases("fwdbwd")[1],
+    lambda: decode_cases()[0],
+    lambda: next(c for c in feature_cases() if c.dropout),
+    lambda: next(c for c in feature_cases() if c.bias_grad),
+    lambda: varlen_cases()[3],
 ], ids=["fwd", "fwdbwd", "decode", "dropout", "bias-grad", "varlen"])
 def test_cpu_smoke_case(pick):
-    case = ab.shrink(pick())
-    runner = ab.Runner(torch.device("cpu"), flex_compiled=False, skip=("flex",))
+    case = shrink(pick())
+    runner = Runner(torch.device("cpu"), flex_compiled=False, skip=("flex",))
     rows = runner.run_case(case)
     assert len(rows) == (2 if case.mode == "decode" else 1)
     for r in rows:
@@ -260,7 +271,7 @@ def test_cpu_smoke_case(pick):
 
 
 def test_main_cpu_smoke_writes_json(tmp_path, capsys):
-    rc = ab.main(["--suite", "fwd", "--filter", "D=64 S=1k causal", "--cpu-smoke", "--out", str(tmp_path),
+    rc = main(["--suite", "fwd", "--filter", "D=64 S=1k causal", "--cpu-smoke", "--out", str(tmp_path),
                   "--skip", "flex"])
     out = capsys.readouterr().out
     assert rc == 0, out
