@@ -115,6 +115,7 @@ def record(quick: bool):
     run()
     run(window_right=0)
     run(D=128, window_right=0, dropout_p=0.1, seed=3)
+    run(dropout_p=0.1, seed_tensor=torch.tensor(7))  # unseeded: the seed is read on the device
     run(mask=torch.randn(2, 1, 128, 128), softcap=5.0)
     if quick:
         return log

@@ -132,3 +132,32 @@ def test_memory_is_linear_in_sequence_length():
     extra = torch.cuda.max_memory_allocated() - base
     inputs = 4 * q.numel() * q.element_size()
     assert extra < 16 * inputs, f"peak extra memory {extra / 2**20:.0f} MiB for inputs of {inputs / 2**20:.0f} MiB"
+
+
+def test_unseeded_dropout_in_cuda_graphs_draws_a_new_mask_per_replay():
+    """The seed of an unseeded call is drawn on the device by PyTorch's graph-safe
+    generator and read by the kernels: every replay of a captured graph drops a
+    different set of weights; a seeded call replays identically."""
+    B, S, H, D = 1, 256, 2, 64
+    q, k = (torch.zeros(B, S, H, D, device="cuda", dtype=BF16) for _ in range(2))
+    v = torch.randn(B, S, H, D, device="cuda", dtype=BF16)
+    static = {}
+
+    def step():
+        static["free"] = flashforge.attention(q, k, v, dropout_p=0.5)
+        static["seeded"] = flashforge.attention(q, k, v, dropout_p=0.5, seed=3)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    outs = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        outs.append({k_: t.clone() for k_, t in static.items()})
+    assert not torch.equal(outs[0]["free"], outs[1]["free"]), "replays reused one dropout seed"
+    assert torch.equal(outs[0]["seeded"], outs[1]["seeded"])
+    eager = flashforge.attention(q, k, v, dropout_p=0.5, seed=3)
+    assert torch.equal(outs[0]["seeded"], eager)

@@ -133,7 +133,7 @@ def build_params(q4, B: int, *, causal, causal_offset, window, dropout_p, seed, 
     if causal:
         right = 0
     dropout_p = check_float("dropout_p", dropout_p, minimum=0.0, below=1.0)
-    seed_tensor = draw_seed() if seed is None and dropout_p > 0.0 else None
+    seed_tensor = draw_seed(q4.device) if seed is None and dropout_p > 0.0 else None
     seed = 0 if seed is None else check_int("seed", seed, minimum=0, maximum=MAX_SEED - 1)
     scale = check_float("scale", scale, allow_none=True)
     if scale is None:
@@ -173,7 +173,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         mask: bool (True = keep) or float (additive bias) tensor broadcastable to
             ``[B, Hq, Sq, Sk]``; a float mask that requires grad gets its gradient.
         dropout_p: probability in [0, 1) of dropping an attention weight (kept ones scale by 1/(1-p)).
-        seed: int in [0, 2**63) for the dropout mask; None draws one from torch's generator.
+        seed: int in [0, 2**63) for the dropout mask; None draws one from torch's generator of q's
+            device (a new one at every CUDA-graph replay).
         scale: score scale, default ``1/sqrt(D)``.
         softcap: if > 0, ``score = softcap * tanh(score / softcap)`` before masking.
         alibi_slopes: float tensor ``[Hq]`` or ``[B, Hq]``: adds ``-slope * |i + causal_offset - j|``

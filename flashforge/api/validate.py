@@ -86,8 +86,9 @@ def check_backend(backend) -> Optional[str]:
     return backend
 
 
-def draw_seed() -> torch.Tensor:
-    """A fresh seed from torch's default (CPU) generator, as an int64 CPU scalar tensor:
-    it follows torch.manual_seed, never synchronises a GPU, and is read only inside
-    the attention op, so torch.compile traces the call without a graph break."""
-    return torch.randint(0, 2**62, (), dtype=torch.int64)
+def draw_seed(device) -> torch.Tensor:
+    """A fresh dropout seed from torch's generator of ``device`` (so it follows
+    torch.manual_seed), as an int64 scalar tensor there.  It is read only inside the
+    kernels: no host sync, no graph break under torch.compile, and a new seed at
+    every CUDA-graph replay (PyTorch's graph-safe generator)."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)

@@ -23,11 +23,10 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
 def _params(offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale, window_left,
             window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic, allow_tf32,
             max_seqlen_q, max_seqlen_k) -> AttnParams:
-    if seed_tensor is not None:  # drawn at call time on the host: read here, inside the op, not in a graph
-        seed = int(seed_tensor.item())
     return AttnParams(scale=scale, window_left=window_left, window_right=window_right, offset=offset,
                       offset_tensor=offset_tensor, offset_bottom_right=offset_bottom_right, softcap=softcap,
-                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, deterministic=deterministic,
+                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, seed_tensor=seed_tensor,
+                      deterministic=deterministic,
                       allow_tf32=allow_tf32, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
@@ -114,9 +113,9 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 def attention_function(q, k, v, mask, params: AttnParams, backend: str, seed_tensor: Optional[torch.Tensor] = None):
     """Differentiable attention on validated BSHD tensors; returns (o, lse).
 
-    ``seed_tensor`` (an int64 CPU scalar) replaces ``params.seed`` when given: the
-    public layer draws unseeded dropout seeds as a tensor so that tracing never
-    reads a value on the host.
+    ``seed_tensor`` (an int64 scalar on q's device) replaces ``params.seed`` when
+    given: the public layer draws unseeded dropout seeds as a tensor so that no
+    value is read on the host (tracing, CUDA graphs).
     """
     p = params
     return torch.ops.flashforge.attention_fwd(

@@ -135,6 +135,8 @@ class _Tiles:
             self.offsets = sorted(set(o + shift for o in params.offset_tensor.tolist()))
         self.off_min, self.off_max = self.offsets[0], self.offsets[-1]
         if params.has_dropout:
+            # an unseeded call's seed tensor is read once here (on the host: this path runs there)
+            self.seed = params.seed if params.seed_tensor is None else int(params.seed_tensor.item())
             base = params.dropout_batch_base * Hq
             self.bh = torch.arange(base, base + B * Hq, device=dev).view(B, Hkv, 1, self.G, 1)  # b*Hq + h
 
@@ -209,7 +211,7 @@ class _Tiles:
     def keep(self, r0: int, r1: int, c0: int, c1: int) -> Tensor:
         """Dropout keep-mask of the tile, bool ``[B*Hkv, n*G, c]`` (SPEC: a pure function of (seed, b, h, i, j))."""
         p = self.params
-        keep = keep_block(p.seed, p.dropout_p, self.bh[..., 0], self.rows[:, :, r0:r1, :, 0], c0, c1)
+        keep = keep_block(self.seed, p.dropout_p, self.bh[..., 0], self.rows[:, :, r0:r1, :, 0], c0, c1)
         return keep.view(self.B * self.Hkv, (r1 - r0) * self.G, c1 - c0)
 
 

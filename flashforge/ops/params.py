@@ -33,6 +33,10 @@ class AttnParams:
     alibi_slopes: Optional[torch.Tensor] = None  # float32 [B, Hq] (stride 0 where broadcast), same device as q
     dropout_p: float = 0.0
     seed: int = 0  # 0 <= seed < 2**63; only read when dropout_p > 0
+    # an int64 scalar tensor on the inputs' device that replaces `seed` when set: the
+    # kernels read it on the device, so an unseeded call needs no host sync and a
+    # CUDA-graph replay draws a fresh seed (PyTorch's graph-safe generator)
+    seed_tensor: Optional[torch.Tensor] = None
     deterministic: bool = False
     allow_tf32: bool = False  # float32 inputs: full IEEE products unless opted in
     # Packed variable-length batch: q [1, total_q, Hq, D], k/v [1, total_k, Hkv, *];

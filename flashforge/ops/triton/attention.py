@@ -40,8 +40,8 @@ def _mask_args(mask: Optional[torch.Tensor], q: torch.Tensor):
 
 
 def _common_args(q, params: AttnParams):
-    """(offsets, alibi, its 2 strides, cu_seqlens_q, cu_seqlens_k), scalar arguments and
-    constexpr flags shared by every attention kernel."""
+    """(offsets, alibi, its 2 strides, cu_seqlens_q, cu_seqlens_k, seed tensor), scalar
+    arguments and constexpr flags shared by every attention kernel."""
     per_batch = params.offset_tensor is not None
     offsets = params.offset_tensor if per_batch else q
     slopes = params.alibi_slopes
@@ -50,6 +50,7 @@ def _common_args(q, params: AttnParams):
         tensors += (params.cu_seqlens_q, params.cu_seqlens_k)
     else:  # CU_K doubles as the per-row key counts of a KV cache
         tensors += (offsets, params.seqlens_k if params.seqlens_k is not None else offsets)
+    tensors += (params.seed_tensor if params.seed_tensor is not None else offsets,)
     scalars = (params.scale, params.softcap if params.softcap > 0 else 1.0, params.offset,
                params.window_left, params.window_right, params.seed, keep_threshold(params.dropout_p),
                1.0 / (1.0 - params.dropout_p))
@@ -57,6 +58,7 @@ def _common_args(q, params: AttnParams):
                  OFFSET_PER_BATCH=per_batch, HAS_SOFTCAP=params.softcap > 0,
                  HAS_DROPOUT=params.dropout_p > 0, HAS_ALIBI=params.alibi_slopes is not None,
                  IS_VARLEN=params.is_varlen, OFFSET_BR=params.offset_bottom_right,
+                 SEED_FROM_PTR=params.has_dropout and params.seed_tensor is not None,
                  DOT_PRECISION="tf32" if params.allow_tf32 or q.dtype != torch.float32 else "ieee")
     return tensors, scalars, flags
 
@@ -91,7 +93,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
-    (offsets, alibi, s_ab, s_ah, cu_q, cu_k), scalars, flags = _common_args(q, params)
+    (offsets, alibi, s_ab, s_ah, cu_q, cu_k, seed_t), scalars, flags = _common_args(q, params)
     splits = max(1, params.num_splits)
     if splits > 1:  # partials in float32, merged below
         o_out = torch.empty(splits, *o.shape, dtype=torch.float32, device=q.device)
@@ -112,7 +114,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     rows, heads = (max_sq * group, Hkv) if pack else (max_sq, Hq)
     grid = (triton.cdiv(rows, cfg.block_m) * splits, B * heads)
     attn_fwd_kernel[grid](
-        q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt,
+        q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t,
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
         *m_strides, s_ab, s_ah, *paging, *split_strides, splits,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
@@ -142,7 +144,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     cfg_q = get_config("bwd_q", max(D, Dv), q.element_size(), interpret)
     BD = _padded(D, Dv)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
-    (offsets, alibi, s_ab, s_ah, cu_q, cu_k), scalars, flags = _common_args(q, params)
+    (offsets, alibi, s_ab, s_ah, cu_q, cu_k, seed_t), scalars, flags = _common_args(q, params)
 
     def tiles(cfg):
         return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BD, BLOCK_DV=BD,
@@ -160,13 +162,13 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     strides_qkvdo = (*_bshd_strides(q, vl), *_bshd_strides(k, vl), *_bshd_strides(v, vl), *_bshd_strides(do, vl))
     attn_bwd_dkdv_kernel[(triton.cdiv(max_sk, cfg_kv.block_n), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k,
+        q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
         *strides_qkvdo, *_bshd_strides(dk, vl), *_bshd_strides(dv, vl), *m_strides, s_ab, s_ah,
         Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv),
     )
     attn_bwd_dq_kernel[(triton.cdiv(max_sq, cfg_q.block_m), B * Hq)](
-        q, k, v, do, lse, delta, dq, mask_t, offsets, alibi, cu_q, cu_k,
+        q, k, v, do, lse, delta, dq, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
         *strides_qkvdo, *_bshd_strides(dq, vl), *m_strides, s_ab, s_ah,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_q),
@@ -179,7 +181,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         m_bcast, n_bcast = Sqm == 1 and Sq > 1, Skm == 1 and Sk > 1
         grid = (triton.cdiv(Sqm, cfg_q.block_m), triton.cdiv(Skm, cfg_q.block_n), Bm * Hm)
         attn_bwd_dmask_kernel[grid](
-            q, k, v, do, lse, delta, dmask, mask_t, offsets, alibi, cu_q, cu_k,
+            q, k, v, do, lse, delta, dmask, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
             *strides_qkvdo, *m_strides, s_ab, s_ah, *dmask.stride(),
             B, Hq, Sq, Sk, D, Dv, Hq // Hkv, Hm, Sqm, Skm, *scalars,
             MASK_BOOL=mask_bool, **flags,

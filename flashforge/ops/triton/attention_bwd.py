@@ -103,7 +103,7 @@ def _load_row_stats(LSE, DELTA, row0, o_m, Sq):
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS, ALIBI, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -115,13 +115,15 @@ def attn_bwd_dkdv_kernel(
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # Tiles here are transposed ([keys, queries]) so that dV += P'^T dO and
     # dK += dS^T Q take the accumulator tiles as they come out of the MMA,
     # with no register transpose.
+    if SEED_FROM_PTR:  # an unseeded call: the seed was drawn on the device
+        seed = tl.load(SEED)
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // Hkv
@@ -192,7 +194,7 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, OFFSETS, ALIBI, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -203,10 +205,12 @@ def attn_bwd_dq_kernel(
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
+    if SEED_FROM_PTR:  # an unseeded call: the seed was drawn on the device
+        seed = tl.load(SEED)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
@@ -268,7 +272,7 @@ def attn_bwd_dq_kernel(
 
 @triton.jit
 def attn_bwd_dmask_kernel(
-    Q, K, V, DO, LSE, DELTA, DMASK, MASK, OFFSETS, ALIBI, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DMASK, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -279,13 +283,15 @@ def attn_bwd_dmask_kernel(
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     B_BCAST: tl.constexpr, H_BCAST: tl.constexpr, M_BCAST: tl.constexpr, N_BCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     OUT_M: tl.constexpr, OUT_N: tl.constexpr,
 ):
     """dmask[bm, hm, i, j] = sum of dS over the (b, h, i, j) that broadcast onto it."""
+    if SEED_FROM_PTR:  # an unseeded call: the seed was drawn on the device
+        seed = tl.load(SEED)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     bhm = tl.program_id(2)

@@ -59,7 +59,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_lo, n_hi, o_m, o_d, o_dv, b, h, b
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K, BT,
+    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K, BT, SEED,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -70,8 +70,8 @@ def attn_fwd_kernel(
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, HAS_SEQLENS_K: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, PACK_GQA: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
+    HAS_SEQLENS_K: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, PACK_GQA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -85,6 +85,8 @@ def attn_fwd_kernel(
     # PACK_GQA: axis 1 is (batch, kv head) and the tile's rows are (query, head of
     # the group) pairs, so one program reads each K/V tile once for the whole group
     # (decoding: Sq is tiny, the group fills the tile).
+    if SEED_FROM_PTR:  # an unseeded call: the seed was drawn on the device
+        seed = tl.load(SEED)
     pid_m = tl.program_id(0)
     split = 0
     if IS_SPLIT:
