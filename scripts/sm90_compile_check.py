@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flashforge.ops.params import AttnParams  # noqa: E402
 from flashforge.ops.triton import attention as launchers  # noqa: E402
 from flashforge.ops.triton import configs  # noqa: E402
+from flashforge.ops.triton import kvcache  # noqa: E402
+from flashforge.ops.rope_torch import RopeParams  # noqa: E402
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
            torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
@@ -99,6 +101,7 @@ def record(quick: bool):
     for name in ("attn_fwd_kernel", "attn_fwd_combine_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
                  "attn_bwd_dq_kernel", "attn_bwd_dmask_kernel"):
         setattr(launchers, name, Recorder(getattr(launchers, name), log))
+    kvcache.kvcache_append_kernel = Recorder(kvcache.kvcache_append_kernel, log)
     launchers._interpreting = lambda q: False
     real_get = configs.get_config
     launchers.get_config = lambda kind, d, e, interpret: real_get(kind, d, e, False)
@@ -135,8 +138,12 @@ def record(quick: bool):
                    seqlens_k=torch.full((B,), 100, dtype=torch.int32),
                    block_table=torch.zeros(B, 4, dtype=torch.int32), num_splits=3)
     launchers.attention_forward(q, kc, kc, None, p)
+    rope = RopeParams(theta=10000.0, rotary_dim=64, interleaved=True)
     launchers.attention_forward(q, torch.randn(B, 256, Hkv, D, dtype=torch.bfloat16), kc[:B].clone(), None,
-                                replace(p, block_table=None, num_splits=1))
+                                replace(p, block_table=None, num_splits=1, q_rope=rope))
+    new = torch.randn(B, 1, Hkv, D, dtype=torch.bfloat16)
+    kvcache.append(kc, kc, new, new, p.seqlens_k, p.block_table, rope)
+    kvcache.append(kc[:B], kc[:B], new, new, p.seqlens_k, None, None)
     return log
 
 

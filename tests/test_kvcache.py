@@ -132,6 +132,8 @@ def test_errors():
     with pytest.raises(ValueError, match=r"block_size 24; accepted: a power of two >= 16"):
         flashforge.attention_with_kvcache(q, torch.randn(4, 24, 2, 16), torch.randn(4, 24, 2, 16), cache_seqlens=3,
                                           block_table=torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"rope.rotary_dim is 7; accepted: an even int from 2 to the head dim 16"):
+        flashforge.attention_with_kvcache(q, kc, vc, cache_seqlens=3, rope=Rope(rotary_dim=7))
     with pytest.raises(TypeError, match=r"rope must be a flashforge.Rope or None, got dict"):
         flashforge.attention_with_kvcache(q, kc, vc, cache_seqlens=3, rope={"theta": 1.0})
     with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):

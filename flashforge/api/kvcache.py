@@ -8,10 +8,11 @@ from typing import Optional, Union
 
 import torch
 
-from ..autograd.kvcache import attention_kvcache_function
+from ..autograd.kvcache import attention_kvcache_function, kvcache_append_function
+from ..ops.rope_torch import RopeParams
 from ..ops.params import AttnParams
 from .attention import _normalise_slopes, check_heads_and_dims, check_qkv_rank
-from .rope import apply_rope
+from .rope import STYLES
 from .validate import check_backend, check_float, check_int, check_tensor, check_window
 
 __all__ = ["Rope", "attention_with_kvcache"]
@@ -124,34 +125,27 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits = _auto_splits(q, B, Hq, capacity)
     num_splits = check_int("num_splits", num_splits, minimum=1)
 
+    rope_params = None
+    if rope is not None:
+        rotary_dim = D if rope.rotary_dim is None else check_int("rope.rotary_dim", rope.rotary_dim)
+        if rotary_dim % 2 or not 2 <= rotary_dim <= D:
+            raise ValueError(f"rope.rotary_dim is {rotary_dim}; accepted: an even int from 2 to the head dim {D}")
+        if rope.style not in STYLES:
+            raise ValueError(f"rope.style is {rope.style!r}; accepted: 'half' or 'interleaved'")
+        theta = check_float("rope.theta", rope.theta)
+        if theta <= 0.0:
+            raise ValueError(f"rope.theta must be > 0, got {theta}")
+        rope_params = RopeParams(theta=theta, rotary_dim=rotary_dim, interleaved=rope.style == "interleaved")
+
     seqlens_k = cache_seqlens + s_new  # [B] int32
     q_pos = seqlens_k - Sq  # absolute position of query 0
     with torch.no_grad():
-        if rope is not None:
-            rot = dict(theta=rope.theta, style=rope.style, rotary_dim=rope.rotary_dim, backend=backend)
-            q = apply_rope(q, pos=q_pos, **rot)
-            if k is not None:
-                k = apply_rope(k, pos=cache_seqlens, **rot)
-        if k is not None:
-            _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        if k is not None:  # rotated (if asked) on the way into the cache
+            kvcache_append_function(k_cache, v_cache, k, v, cache_seqlens, block_table, rope_params, backend)
         params = AttnParams(scale=scale, window_left=left, window_right=right, offset_tensor=q_pos,
                             softcap=softcap, alibi_slopes=_normalise_slopes(alibi_slopes, q, B, Hq),
-                            seqlens_k=seqlens_k, block_table=block_table, num_splits=num_splits)
+                            seqlens_k=seqlens_k, block_table=block_table, num_splits=num_splits,
+                            q_rope=rope_params)  # q is rotated inside the attention kernel
         qc = q if q.stride(-1) == 1 else q.contiguous()
         o, lse = attention_kvcache_function(qc, k_cache, v_cache, params, backend)
     return (o, lse) if return_lse else o
-
-
-def _append(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
-    """Write k, v ``[B, S_new, Hkv, *]`` at positions ``cache_seqlens[b] + i`` of each cache row."""
-    B, s_new = k.shape[:2]
-    pos = cache_seqlens.long().view(B, 1) + torch.arange(s_new, device=k.device).view(1, s_new)  # [B, S_new]
-    if block_table is None:
-        rows = torch.arange(B, device=k.device).view(B, 1).expand(B, s_new)
-        k_cache[rows, pos] = k.to(k_cache.dtype)
-        v_cache[rows, pos] = v.to(v_cache.dtype)
-    else:
-        size = k_cache.shape[1]
-        blocks = block_table.long().gather(1, pos // size)  # [B, S_new]
-        k_cache[blocks, pos % size] = k.to(k_cache.dtype)
-        v_cache[blocks, pos % size] = v.to(v_cache.dtype)

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .dropout import keep_block
 from .params import AttnParams
+from .rope_torch import rope
 
 __all__ = ["attention_forward", "attention_backward", "QUERY_BLOCK", "KEY_CHUNK"]
 
@@ -274,6 +275,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
         inputs), -inf on fully masked rows, where o is 0.  A packed batch (``params.is_varlen``)
         runs one sequence at a time.
     """
+    if params.q_rope is not None:  # q at its absolute positions i + offset (explicit offsets only)
+        q = rope(q, params.offset_tensor, None, replace(params.q_rope, pos_base=params.offset))
+        params = replace(params, q_rope=None)
     if params.is_varlen:
         return _varlen_forward(q, k, v, params)
     if params.seqlens_k is not None:

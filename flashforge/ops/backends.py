@@ -10,6 +10,8 @@ _MODULES = {
     ("attention", "triton"): "flashforge.ops.triton.attention",
     ("rope", "torch"): "flashforge.ops.rope_torch",
     ("rope", "triton"): "flashforge.ops.triton.rope",
+    ("kvcache", "torch"): "flashforge.ops.kvcache_torch",
+    ("kvcache", "triton"): "flashforge.ops.triton.kvcache",
 }
 
 

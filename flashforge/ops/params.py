@@ -52,6 +52,9 @@ class AttnParams:
     seqlens_k: Optional[torch.Tensor] = None
     block_table: Optional[torch.Tensor] = None
     num_splits: int = 1  # split-KV: keys divided among this many programs, merged by lse
+    # RoPE applied to q inside the forward, at each query's absolute position i + offset
+    # (a `flashforge.ops.rope_torch.RopeParams`; its pos_base is unused)
+    q_rope: Optional[object] = None
     # batch index of this call's first sequence in the dropout counter (the CPU path
     # runs a packed batch one sequence at a time)
     dropout_batch_base: int = 0

@@ -18,6 +18,7 @@ from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bw
                             attn_bwd_preprocess_kernel)
 from .attention_fwd import attn_fwd_combine_kernel, attn_fwd_kernel
 from .configs import get_config, head_dim_block
+from .rope import rope_turns
 
 
 def _interpreting(q: torch.Tensor) -> bool:
@@ -112,14 +113,17 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     # decoding-like calls (the group's rows fit one tile) read K/V once per group
     pack = group > 1 and max_sq * group <= cfg.block_m
     rows, heads = (max_sq * group, Hkv) if pack else (max_sq, Hq)
+    rope = params.q_rope
+    turns = offsets if rope is None else rope_turns(rope.rotary_dim, float(rope.theta), q.device)
     grid = (triton.cdiv(rows, cfg.block_m) * splits, B * heads)
     attn_fwd_kernel[grid](
-        q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t,
+        q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns,
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
         *m_strides, s_ab, s_ah, *paging, *split_strides, splits,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, HAS_SEQLENS_K=params.seqlens_k is not None,
         PAGED=paged, PAGE=page, IS_SPLIT=splits > 1, PACK_GQA=pack,
+        ROPE_DIM=0 if rope is None else rope.rotary_dim, ROPE_INTERLEAVED=rope is not None and rope.interleaved,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -9,6 +9,7 @@ import triton.language as tl
 from .common import (LN2, full_key_range, key_range, key_rows, load_offset, load_slope, lse_row0, score_tile,
                      seq_bounds)
 from .dropout import dropout_keep
+from .rope import rope_cos_sin, rope_partner, rope_rotate
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_lo, n_hi, o_m, o_d, o_dv, b, h, b
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K, BT, SEED,
+    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K, BT, SEED, TURNS,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -71,7 +72,7 @@ def attn_fwd_kernel(
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
-    HAS_SEQLENS_K: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, PACK_GQA: tl.constexpr,
+    HAS_SEQLENS_K: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, PACK_GQA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -145,6 +146,11 @@ def attn_fwd_kernel(
     p_q = (Q + b64 * stride_qb + h2 * stride_qh + o_m[:, None].to(tl.int64) * stride_qs
            + o_d[None, :])
     b_q = tl.load(p_q, mask=m_row[:, None] & (o_d[None, :] < D), other=0.0)
+    if ROPE_DIM > 0:  # rotate q at its absolute positions i + off (TURNS: `rope_turns`)
+        o_p = rope_partner(o_d, ROPE_DIM, ROPE_INTERLEAVED)
+        b_qp = tl.load(p_q - o_d[None, :] + o_p[None, :], mask=m_row[:, None] & (o_p[None, :] < D), other=0.0)
+        b_cos, b_sin = rope_cos_sin(o_m + off, TURNS, o_d, ROPE_DIM, ROPE_INTERLEAVED)
+        b_q = rope_rotate(b_q, b_qp, b_cos, b_sin, o_d, ROPE_DIM, ROPE_INTERLEAVED, False).to(Q.dtype.element_ty)
     K += b64 * stride_kb + hk * stride_kh
     V += b64 * stride_vb + hk * stride_vh
 
