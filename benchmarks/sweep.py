@@ -68,13 +68,17 @@ def candidates(kind: str, quick: bool = False, current=None) -> list:
     if quick:
         stages = QUICK_STAGES[kind]
     out = [TileConfig(*c) for c in itertools.product(bm, bn, warps, stages)]
+    if kind == "fwd":  # each forward config also with K/V through TMA descriptors
+        out += [TileConfig(*c, tma=True) for c in itertools.product(bm, bn, warps, stages)]
     if current is not None:
         out = [current] + [c for c in out if c != current]
     return out
 
 
 def table_line(kind: str, bucket: int, elem: int, cfg) -> str:
-    return f'    ("{kind}", {bucket}, {elem}): TileConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}),'
+    tma = ", tma=True" if cfg.tma else ""
+    return (f'    ("{kind}", {bucket}, {elem}): TileConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, '
+            f'{cfg.num_stages}{tma}),')
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -130,7 +134,7 @@ def sweep_kind(kind: str, runs: dict, cands: Sequence, bucket: int, elem: int, t
         res["seconds"] = round(time.perf_counter() - t0, 1)
         results.append(res)
         c = cfg
-        log(f"  {kind} {c.block_m:>3}x{c.block_n:<3} w{c.num_warps} s{c.num_stages}: "
+        log(f"  {kind} {c.block_m:>3}x{c.block_n:<3} w{c.num_warps} s{c.num_stages}{' tma' if c.tma else ''}: "
             + (f"{res['tflops']:.0f} TFLOP/s" if res["ok"] else res["error"]) + f" ({res['seconds']} s)")
     return results
 
@@ -145,7 +149,8 @@ def report(kind: str, results: list, bucket: int, elem: int, top: int) -> str:
     for r in ok[:top]:
         c = r["config"]
         gain = f" ({r['tflops'] / base_tf:.2f}x table)" if base_tf else ""
-        lines.append(f"  {c['block_m']:>3} x {c['block_n']:<3} warps {c['num_warps']} stages {c['num_stages']}: "
+        lines.append(f"  {c['block_m']:>3} x {c['block_n']:<3} warps {c['num_warps']} stages {c['num_stages']}"
+                     f"{' tma' if c.get('tma') else ''}: "
                      f"{r['tflops']:6.0f} TFLOP/s  {r['ms']:.3f} ms{gain}")
     if ok:
         lines.append("  table entry: " + table_line(kind, bucket, elem, TileConfig(**ok[0]["config"])).strip())

@@ -37,7 +37,7 @@ if [ "$PARTS" = bench ]; then BENCH_LIMIT="${FF_BENCH_LIMIT:-560}"; fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || true
 
 if [ "$#" -eq 0 ]; then
-    set -- tests/test_gpu.py tests/test_rope.py tests/test_varlen.py tests/test_kvcache.py tests/test_compile.py \
+    set -- tests/test_gpu.py tests/test_rope.py tests/test_varlen.py tests/test_kvcache.py tests/test_tma.py tests/test_compile.py \
         tests/test_transformers.py tests/test_attention_torch.py::test_runs_on_cuda_tensors
 fi
 if [[ " $PARTS " == *" tests "* ]]; then

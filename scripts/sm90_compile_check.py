@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flashforge.ops.params import AttnParams  # noqa: E402
@@ -59,6 +60,8 @@ def _signature(fn, args, kwargs):
             sig[name], consts[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + _DTYPES[v.dtype]
+        elif type(v).__name__ == "TensorDescriptor":
+            sig[name] = mangle_type(v)
         elif isinstance(v, bool):
             sig[name] = "i1"
         elif isinstance(v, int):
@@ -103,6 +106,7 @@ def record(quick: bool):
         setattr(launchers, name, Recorder(getattr(launchers, name), log))
     kvcache.kvcache_append_kernel = Recorder(kvcache.kvcache_append_kernel, log)
     launchers._interpreting = lambda q: False
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)  # the target, for the TMA path
     real_get = configs.get_config
     launchers.get_config = lambda kind, d, e, interpret: real_get(kind, d, e, False)
 
@@ -119,6 +123,11 @@ def record(quick: bool):
     run(window_right=0)
     run(D=128, window_right=0, dropout_p=0.1, seed=3)
     run(dropout_p=0.1, seed_tensor=torch.tensor(7))  # unseeded: the seed is read on the device
+    # the forward with K/V through tensor descriptors (TMA), opt-in per tile config
+    launchers.get_config = lambda kind, d, e, interpret: replace(real_get(kind, d, e, False), tma=kind == "fwd")
+    run(bwd=False, window_right=0)
+    run(D=128, bwd=False, mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=3)
+    launchers.get_config = lambda kind, d, e, interpret: real_get(kind, d, e, False)
     run(mask=torch.randn(2, 1, 128, 128), softcap=5.0)
     if quick:
         return log

@@ -71,6 +71,28 @@ def _padded(D: int, Dv: int) -> int:
     return head_dim_block(max(D, Dv))
 
 
+def _tma_descriptors(q, k, v, params: AttnParams, cfg, BD: int, interpret: bool):
+    """TensorDescriptors over k, v ``[B, Sk, Hkv, *]`` with ``[1, block_n, 1, BD]`` boxes, or None
+    where the copy engine cannot serve: not asked for, no sm_90, packed or paged layouts,
+    or strides / addresses that are not 16-byte aligned.  (The interpreter emulates them.)"""
+    if not cfg.tma or params.is_varlen or params.block_table is not None:
+        return None
+    if not interpret and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    descs = []
+    for t in (k, v):
+        e = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * e) % 16 for s in t.stride()[:-1]):
+            return None
+        descs.append(TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()),
+                                      block_shape=[1, cfg.block_n, 1, BD]))
+    return descs
+
+
 def _bshd_strides(x: torch.Tensor, varlen: bool = False):
     # a packed batch is one [1, total, H, E] tensor: sequences are found through
     # cu_seqlens, so the batch stride must not move the pointer
@@ -115,14 +137,16 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     rows, heads = (max_sq * group, Hkv) if pack else (max_sq, Hq)
     rope = params.q_rope
     turns = offsets if rope is None else rope_turns(rope.rotary_dim, float(rope.theta), q.device)
+    descs = _tma_descriptors(q, k, v, params, cfg, _padded(D, Dv), interpret)
+    k_desc, v_desc = descs if descs is not None else (k, v)
     grid = (triton.cdiv(rows, cfg.block_m) * splits, B * heads)
     attn_fwd_kernel[grid](
-        q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns,
+        q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns, k_desc, v_desc,
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
         *m_strides, s_ab, s_ah, *paging, *split_strides, splits,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, HAS_SEQLENS_K=params.seqlens_k is not None,
-        PAGED=paged, PAGE=page, IS_SPLIT=splits > 1, PACK_GQA=pack,
+        PAGED=paged, PAGE=page, IS_SPLIT=splits > 1, PACK_GQA=pack, USE_TMA=descs is not None,
         ROPE_DIM=0 if rope is None else rope.rotary_dim, ROPE_INTERLEAVED=rope is not None and rope.interleaved,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -13,7 +13,7 @@ from .rope import rope_cos_sin, rope_partner, rope_rotate
 
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
                stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope, win_left, win_right, seed,
                drop_threshold,
                MASK, stride_mb, stride_mh, stride_mm, stride_mn,
@@ -21,9 +21,12 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_lo, n_hi, o_m, o_d, o_dv, b, h, b
                HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
                DOT_PRECISION: tl.constexpr,
                D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr):
     """Online-softmax update over the key tiles [n_lo, n_hi).  CHECK=False: the
-    tiles are known to be in range and inside the window for every query."""
+    tiles are known to be in range and inside the window for every query.
+    USE_TMA: K/V tiles come through tensor descriptors over [B, Sk, Hkv, D] (the
+    copy engine zero-fills past the tensor's end)."""
     for n_start in range(n_lo, n_hi, BLOCK_N):
         o_n = n_start + tl.arange(0, BLOCK_N)
         if CHECK:
@@ -33,8 +36,11 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_lo, n_hi, o_m, o_d, o_dv, b, h, b
             m_kt = o_d[:, None] < D
             m_v = o_dv[None, :] < DV
         # [BD, BN]
-        b_kt = tl.load(K + key_rows(o_n, Sk, BT, stride_kp, stride_ks, PAGED, PAGE)[None, :] + o_d[:, None],
-                       mask=m_kt, other=0.0)
+        if USE_TMA:
+            b_kt = tl.trans(tl.reshape(K_DESC.load([b, n_start, hk, 0]), [BLOCK_N, BLOCK_D]))
+        else:
+            b_kt = tl.load(K + key_rows(o_n, Sk, BT, stride_kp, stride_ks, PAGED, PAGE)[None, :] + o_d[:, None],
+                           mask=m_kt, other=0.0)
         # [BM, BN]
         qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
         s2, _ = score_tile(qk, o_m[:, None], o_n[None, :], b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
@@ -51,8 +57,13 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_lo, n_hi, o_m, o_d, o_dv, b, h, b
             keep = dropout_keep(seed, drop_threshold, bh, o_m, o_n, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         # [BN, BDV]
-        b_v = tl.load(V + key_rows(o_n, Sk, BT, stride_vp, stride_vs, PAGED, PAGE)[:, None] + o_dv[None, :],
-                      mask=m_v, other=0.0)
+        if USE_TMA:
+            b_v = tl.reshape(V_DESC.load([b, n_start, hk, 0]), [BLOCK_N, BLOCK_DV])
+            if CHECK:  # rows past this row's keys (a KV cache's unused slots) may hold anything
+                b_v = tl.where(o_n[:, None] < Sk, b_v, 0.0)
+        else:
+            b_v = tl.load(V + key_rows(o_n, Sk, BT, stride_vp, stride_vs, PAGED, PAGE)[:, None] + o_dv[None, :],
+                          mask=m_v, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -60,7 +71,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_lo, n_hi, o_m, o_d, o_dv, b, h, b
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K, BT, SEED, TURNS,
+    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K, BT, SEED, TURNS, K_DESC, V_DESC,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -73,6 +84,7 @@ def attn_fwd_kernel(
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     HAS_SEQLENS_K: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, PACK_GQA: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -168,24 +180,24 @@ def attn_fwd_kernel(
         hi = tl.maximum(tl.minimum(hi, lo + per), lo)
     full_lo, full_hi = full_key_range(q_first, q_last, off, win_left, win_right, Sk, lo, hi, BLOCK_N,
                                       HAS_WL, HAS_WR)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, full_lo, full_hi, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, full_lo, full_hi, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
                                off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
-                               D, DV, False, PAGED, PAGE, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, lo, full_lo, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
+                               D, DV, False, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, lo, full_lo, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
                                off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
-                               D, DV, True, PAGED, PAGE, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, full_hi, hi, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
+                               D, DV, True, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, full_hi, hi, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
                                off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
-                               D, DV, True, PAGED, PAGE, BLOCK_M, BLOCK_N)
+                               D, DV, True, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     empty = l_i == 0.0  # fully masked row: o = 0, lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)

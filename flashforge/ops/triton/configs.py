@@ -17,6 +17,9 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # forward only: load K/V tiles with the Hopper copy engine (TMA descriptors) where
+    # the layout allows it; off until measured (benchmarks/sweep.py compares both)
+    tma: bool = False
 
 
 # (pass, head-dim bucket, bytes per element) -> config, for CUDA GPUs.
