@@ -155,3 +155,14 @@ def test_decode_step_compiles_fullgraph():
     got = compiled(q, kc2, vc2, k_new, v_new, seqlens)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(kc2, kc)
+
+
+def test_auto_splits_fills_the_gpu_only_when_needed():
+    from flashforge.api.kvcache import auto_splits
+    # decode, GQA 32/8: 8 packed programs per sequence
+    assert auto_splits(1, 1, 32, 8, 131072, sms=132) == 33  # two waves of 132 SMs
+    assert auto_splits(1, 1, 32, 8, 4096, sms=132) == 16  # >= 256 keys per split
+    assert auto_splits(1, 16, 32, 8, 131072, sms=132) == 3  # 128 programs: one short wave
+    assert auto_splits(1, 32, 32, 8, 131072, sms=132) == 1  # 256 programs: already two waves
+    assert auto_splits(1, 128, 32, 8, 131072, sms=132) == 1  # 1024 programs fill the GPU already
+    assert auto_splits(512, 1, 32, 32, 131072, sms=132) == 1  # prefill: 4 x 32 programs

@@ -26,12 +26,15 @@ class Rope:
     rotary_dim: Optional[int] = None
 
 
-def _auto_splits(q: torch.Tensor, B: int, Hq: int, capacity: int, block_m: int = 128) -> int:
-    """Split the keys when the (query block, batch, head) programs cannot fill the GPU."""
-    if q.device.type != "cuda":
-        return 1
-    programs = -(-q.shape[1] // block_m) * B * Hq
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+def auto_splits(Sq: int, B: int, Hq: int, Hkv: int, capacity: int, sms: int, block_m: int = 128) -> int:
+    """Split-KV factor: split the keys when the forward's programs cannot fill ``sms``
+    multiprocessors twice over.  Mirrors the launcher's grid: a GQA group whose rows fit
+    one tile is one program (packed), else one program per (query block, head)."""
+    group = Hq // Hkv
+    if group > 1 and Sq * group <= block_m:
+        programs = B * Hkv
+    else:
+        programs = -(-Sq // block_m) * B * Hq
     if programs >= sms:
         return 1
     # enough programs for two waves, but keep >= 256 keys per split
@@ -121,8 +124,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     backend = check_backend(backend)
     if backend is None:
         backend = "triton" if dev.type == "cuda" else "torch"
-    if num_splits is None:
-        num_splits = _auto_splits(q, B, Hq, capacity)
+    if num_splits is None:  # split-KV only pays on a GPU
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
+        num_splits = auto_splits(Sq, B, Hq, k_cache.shape[2], capacity, sms) if sms else 1
     num_splits = check_int("num_splits", num_splits, minimum=1)
 
     rope_params = None
