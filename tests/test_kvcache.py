@@ -165,4 +165,4 @@ def test_auto_splits_fills_the_gpu_only_when_needed():
     assert auto_splits(1, 16, 32, 8, 131072, sms=132) == 3  # 128 programs: one short wave
     assert auto_splits(1, 32, 32, 8, 131072, sms=132) == 1  # 256 programs: already two waves
     assert auto_splits(1, 128, 32, 8, 131072, sms=132) == 1  # 1024 programs fill the GPU already
-    assert auto_splits(512, 1, 32, 32, 131072, sms=132) == 1  # prefill: 4 x 32 programs
+    assert auto_splits(512, 2, 32, 32, 131072, sms=132) == 1  # prefill chunk: 4 query blocks x 64 heads
