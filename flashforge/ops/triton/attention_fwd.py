@@ -83,8 +83,8 @@ def attn_fwd_kernel(
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
     OFFSET_PER_BATCH: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
-    HAS_SEQLENS_K: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, PACK_GQA: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    HAS_SEQLENS_K: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, PAGED: tl.constexpr,
+    PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, PACK_GQA: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -98,6 +98,8 @@ def attn_fwd_kernel(
     # PACK_GQA: axis 1 is (batch, kv head) and the tile's rows are (query, head of
     # the group) pairs, so one program reads each K/V tile once for the whole group
     # (decoding: Sq is tiny, the group fills the tile).
+    # ROPE_DIM > 0: q is rotated at its absolute positions after loading (TURNS from
+    # `rope_turns`).  USE_TMA: K/V tiles through the descriptors K_DESC / V_DESC.
     if SEED_FROM_PTR:  # an unseeded call: the seed was drawn on the device
         seed = tl.load(SEED)
     pid_m = tl.program_id(0)
