@@ -6,7 +6,7 @@ import torch
 
 import flashforge
 from flashforge import reference
-from helpers import FLOOR, backend_device, backend_params
+from helpers import backend_device, backend_params
 
 BACKENDS = backend_params()
 

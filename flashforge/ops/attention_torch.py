@@ -334,7 +334,6 @@ def attention_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
         return (*_varlen_backward(do, dlse, q, k, v, o, lse, params), None)
     t = _Tiles(q, k, v, mask, params)
     G = t.G
-    BH = t.B * t.Hkv
     do_g = _group_rows(do, t.Hkv, t.acc)  # [BH, Sq*G, Dv]
     # delta_i = rowsum(o_i * do_i); the lse gradient adds dlse_i * P_ij to dS_ij, i.e. delta - dlse.
     delta = _group_rows(o, t.Hkv, t.acc).mul_(do_g).sum(dim=-1)  # [BH, Sq*G]
