@@ -43,6 +43,13 @@ GRID = {
     "bwd_q": ((64, 128), (16, 32, 64), (4, 8), (1, 2, 3)),
 }
 QUICK_STAGES = {"fwd": (2, 3), "bwd_kv": (1, 2), "bwd_q": (1, 2)}
+# --quick: the shapes that can win on sm90 (128-row forward tiles need 8 warps to hold
+# their accumulators; 64-row ones run with 4), each with every pipelining depth
+QUICK = {
+    "fwd": [(bm, bn, w, st) for bm, w in ((128, 8), (64, 4)) for bn in (64, 128) for st in (2, 3, 4)],
+    "bwd_kv": [(bm, bn, w, st) for bm in (32, 64) for bn in (64, 128) for w in (4, 8) for st in (1, 2, 3)],
+    "bwd_q": [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for st in (1, 2, 3)],
+}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-3}
 
@@ -65,18 +72,19 @@ def candidates(kind: str, quick: bool = False, current=None) -> list:
     """Every TileConfig of the kind's grid (the current table entry first, added if missing)."""
     from flashforge.ops.triton.configs import TileConfig
     bm, bn, warps, stages = GRID[kind]
-    if quick:
-        stages = QUICK_STAGES[kind]
-    out = [TileConfig(*c) for c in itertools.product(bm, bn, warps, stages)]
-    if kind == "fwd":  # each forward config also with K/V through TMA descriptors
-        out += [TileConfig(*c, tma=True) for c in itertools.product(bm, bn, warps, stages)]
+    shapes = QUICK[kind] if quick else list(itertools.product(bm, bn, warps, stages))
+    out = [TileConfig(*c) for c in shapes]
+    if kind == "fwd":  # each forward config also with K/V through TMA descriptors, and warp-specialized
+        out += [TileConfig(*c, tma=True) for c in shapes]
+        out += [TileConfig(*c, ws=True) for c in shapes]
+        out += [TileConfig(*c, tma=True, ws=True) for c in shapes]
     if current is not None:
         out = [current] + [c for c in out if c != current]
     return out
 
 
 def table_line(kind: str, bucket: int, elem: int, cfg) -> str:
-    tma = ", tma=True" if cfg.tma else ""
+    tma = (", tma=True" if cfg.tma else "") + (", ws=True" if cfg.ws else "")
     return (f'    ("{kind}", {bucket}, {elem}): TileConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, '
             f'{cfg.num_stages}{tma}),')
 
@@ -134,9 +142,64 @@ def sweep_kind(kind: str, runs: dict, cands: Sequence, bucket: int, elem: int, t
         res["seconds"] = round(time.perf_counter() - t0, 1)
         results.append(res)
         c = cfg
-        log(f"  {kind} {c.block_m:>3}x{c.block_n:<3} w{c.num_warps} s{c.num_stages}{' tma' if c.tma else ''}: "
+        log(f"  {kind} {c.block_m:>3}x{c.block_n:<3} w{c.num_warps} s{c.num_stages}{' tma' if c.tma else ''}"
+            f"{' ws' if c.ws else ''}: "
             + (f"{res['tflops']:.0f} TFLOP/s" if res["ok"] else res["error"]) + f" ({res['seconds']} s)")
     return results
+
+
+_WORKER: dict = {}
+
+
+def _worker_init(D: int, S: int, dtype_name: str, causal: bool) -> None:
+    """A warm-up process: the sweep's inputs, built the same way (same seeds, same shapes,
+    so the kernels compiled here are the ones the timing process loads from Triton's cache)."""
+    import flashforge  # noqa: F401
+    dtype = DTYPES[dtype_name]
+    B, H = shape(D, S)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, S, H, D, generator=g, device="cuda", dtype=dtype) for _ in range(4))
+    _WORKER.update(q=q, k=k, v=v, do=do, causal=causal, bucket=head_dim_bucket(D),
+                   elem=torch.tensor([], dtype=dtype).element_size())
+
+
+def _worker_compile(job: tuple) -> tuple:
+    """Run one (kind, config) once: compiles it into Triton's on-disk cache."""
+    import flashforge
+    from flashforge.ops.triton.configs import TileConfig, set_config
+    kind, fields = job
+    w = _WORKER
+    try:
+        set_config(kind, w["bucket"], w["elem"], TileConfig(**fields))
+        if kind == "fwd":
+            with torch.no_grad():
+                flashforge.attention(w["q"], w["k"], w["v"], causal=w["causal"])
+        else:
+            leaves = [t.detach().clone().requires_grad_(True) for t in (w["q"], w["k"], w["v"])]
+            o = flashforge.attention(*leaves, causal=w["causal"])
+            torch.autograd.grad(o, leaves, w["do"])
+        torch.cuda.synchronize()
+        return job, ""
+    except Exception as e:
+        return job, _short(e)
+    finally:
+        set_config(kind, w["bucket"], w["elem"], None)
+
+
+def warm_cache(jobs: list, workers: int, D: int, S: int, dtype_name: str, causal: bool, log=print) -> dict:
+    """Compile every (kind, config) in `workers` processes at once (compiling dominates a
+    sweep; one GPU serves the single launches fine).  Returns {job: error} for failures."""
+    import multiprocessing as mp
+    t0 = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    errors = {}
+    with ctx.Pool(workers, initializer=_worker_init, initargs=(D, S, dtype_name, causal)) as pool:
+        for job, err in pool.imap_unordered(_worker_compile, jobs):
+            if err:
+                errors[job] = err
+    log(f"warm-up: compiled {len(jobs)} configs in {workers} processes in {time.perf_counter() - t0:.0f} s"
+        f" ({len(errors)} failed)")
+    return errors
 
 
 def report(kind: str, results: list, bucket: int, elem: int, top: int) -> str:
@@ -150,7 +213,7 @@ def report(kind: str, results: list, bucket: int, elem: int, top: int) -> str:
         c = r["config"]
         gain = f" ({r['tflops'] / base_tf:.2f}x table)" if base_tf else ""
         lines.append(f"  {c['block_m']:>3} x {c['block_n']:<3} warps {c['num_warps']} stages {c['num_stages']}"
-                     f"{' tma' if c.get('tma') else ''}: "
+                     f"{' tma' if c.get('tma') else ''}{' ws' if c.get('ws') else ''}: "
                      f"{r['tflops']:6.0f} TFLOP/s  {r['ms']:.3f} ms{gain}")
     if ok:
         lines.append("  table entry: " + table_line(kind, bucket, elem, TileConfig(**ok[0]["config"])).strip())
@@ -173,6 +236,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warmup", type=float, default=25.0)
     p.add_argument("--rep", type=float, default=100.0)
     p.add_argument("--max-seconds", type=float, default=540.0, help="stop trying configs after this (default 540)")
+    p.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1),
+                   help="processes that compile the candidates before the (serial) timing; 1: no warm-up")
+    p.add_argument("--write-configs", default="",
+                   help="merge the best config of each kind into this JSON file ($FLASHFORGE_TILE_CONFIGS format)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="testing aid: cpu runs the PyTorch path (tile configs have no effect there)")
     args = p.parse_args(argv)
@@ -230,9 +297,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{gpu} torch {torch.__version__} triton {env['triton']}")
     results: dict = {}
     summary = []
+    all_cands = {kind: candidates(kind, args.quick, get_config(kind, D, elem, False)) for kind in kinds}
+    if args.device == "cuda" and args.jobs > 1:
+        jobs = [(kind, asdict(c)) for kind in kinds for c in all_cands[kind]]
+        warm_cache(jobs, args.jobs, D, S, args.dtype, args.causal)
     for kind in kinds:
         current = get_config(kind, D, elem, False)
-        cands = candidates(kind, args.quick, current)
+        cands = all_cands[kind]
         print(f"{kind}: {len(cands)} candidates (table: {current})", flush=True)
         kind_flops = flops if kind == "fwd" else 2.5 * flops
         results[kind] = sweep_kind(kind, runs, cands, bucket, elem, TOL[dtype], kind_flops, deadline, bench)
@@ -247,6 +318,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "flops_convention": "fwd 4*B*H*S*S*D (halved causal); bwd kinds time the whole backward, 2.5x",
                    "results": results, "best": {kd: (b["config"] if b else None) for kd, b in best.items()},
                    "seconds": round(time.perf_counter() - t_start, 1)}, f, indent=1)
+    if args.write_configs:
+        merged = {}
+        if os.path.exists(args.write_configs):
+            with open(args.write_configs) as f:
+                merged = json.load(f)
+        for kd, b in best.items():
+            if b is not None:
+                merged[f"{kd}/{bucket}/{elem}"] = b["config"]
+        with open(args.write_configs, "w") as f:
+            json.dump(merged, f, indent=1)
     print()
     print("\n\n".join(summary))
     print(f"\nwrote {path} ({time.perf_counter() - t_start:.0f} s)")

@@ -127,6 +127,12 @@ def record(quick: bool):
     launchers.get_config = lambda kind, d, e, interpret: replace(real_get(kind, d, e, False), tma=kind == "fwd")
     run(bwd=False, window_right=0)
     run(D=128, bwd=False, mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=3)
+    # warp-specialized key loop, with and without TMA (tile-config opt-ins, measured by the sweep)
+    launchers.get_config = lambda kind, d, e, interpret: replace(real_get(kind, d, e, False), ws=kind == "fwd")
+    run(D=128, bwd=False)
+    launchers.get_config = lambda kind, d, e, interpret: replace(real_get(kind, d, e, False), ws=kind == "fwd",
+                                                                 tma=kind == "fwd")
+    run(D=128, bwd=False, window_right=0)
     launchers.get_config = lambda kind, d, e, interpret: real_get(kind, d, e, False)
     run(mask=torch.randn(2, 1, 128, 128), softcap=5.0)
     if quick:

@@ -305,15 +305,20 @@ def test_sweep_pure_parts():
     assert sweep.head_dim_bucket(96) == 128 and sweep.head_dim_bucket(32) == 64
     cur = TileConfig(128, 64, 8, 3)
     cands = sweep.candidates("fwd", current=cur)
-    # the forward grid twice: pointer loads, then the same configs with TMA descriptors
-    assert cands[0] == cur and len(cands) == 72 and len(set(cands)) == 72
-    assert sum(c.tma for c in cands) == 36
+    # the forward grid four times: pointer loads, TMA descriptors, warp-specialized, both
+    assert cands[0] == cur and len(cands) == 144 and len(set(cands)) == 144
+    assert sum(c.tma for c in cands) == 72 and sum(c.ws for c in cands) == 72
+    assert sum(c.tma and c.ws for c in cands) == 36
     odd = TileConfig(32, 16, 2, 1)
     assert sweep.candidates("bwd_q", quick=True, current=odd)[0] == odd
     assert len(sweep.candidates("bwd_kv", quick=True)) == 24
+    quick_fwd = sweep.candidates("fwd", quick=True)
+    assert len(quick_fwd) == 48 and all(c.num_warps == (8 if c.block_m == 128 else 4) for c in quick_fwd)
     assert sweep.table_line("fwd", 128, 2, cur).strip() == '("fwd", 128, 2): TileConfig(128, 64, 8, 3),'
     assert sweep.table_line("fwd", 128, 2, TileConfig(128, 64, 8, 3, tma=True)).strip() == \
         '("fwd", 128, 2): TileConfig(128, 64, 8, 3, tma=True),'
+    assert sweep.table_line("fwd", 128, 2, TileConfig(128, 64, 8, 3, ws=True)).strip() == \
+        '("fwd", 128, 2): TileConfig(128, 64, 8, 3, ws=True),'
 
 
 def test_sweep_kind_ranks_correct_configs_only():

@@ -149,6 +149,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
         PAGED=paged, PAGE=page, IS_SPLIT=splits > 1, PACK_GQA=pack, USE_TMA=descs is not None,
         ROPE_DIM=0 if rope is None else rope.rotary_dim, ROPE_INTERLEAVED=rope is not None and rope.interleaved,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
+        SCALE_POS=params.scale > 0, WS=cfg.ws and not interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

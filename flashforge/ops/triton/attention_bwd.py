@@ -16,7 +16,8 @@ dS = P * (dP' - delta) where dP' is dO V^T with the dropout mask applied.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, key_range, load_offset, load_slope, lse_row0, query_range, score_tile, seq_bounds
+from .common import (LOG2E, full_key_range, full_query_range, key_range, load_offset, load_slope, lse_row0,
+                     query_range, score_tile, seq_bounds)
 from .dropout import dropout_keep
 
 
@@ -58,7 +59,7 @@ def _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off, win_left, win
              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
              TRANSPOSED: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr = True):
     """From qk = <q, k> and dp = dO V^T (both [BM, BN], or [BN, BM] if TRANSPOSED),
     return (P' = P with dropout applied and scaled, dS w.r.t. the score,
     dS w.r.t. the raw product <q, k> divided by scale)."""
@@ -74,7 +75,7 @@ def _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off, win_left, win
         deltab = delta[:, None]
     s2, t = score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softcap, slope,
                        MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                       HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_ALIBI)
+                       HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_ALIBI, CHECK)
     p = tl.exp2(s2 - lse2b)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, drop_threshold, bh, o_m, o_n, BLOCK_M, BLOCK_N)
@@ -99,6 +100,49 @@ def _load_row_stats(LSE, DELTA, row0, o_m, Sq):
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
     delta = tl.load(DELTA + row0 + o_m, mask=o_m < Sq, other=0.0)
     return lse2, delta
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, m_lo, m_hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
+                MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """dK/dV contributions of the query tiles [m_lo, m_hi) of one query head.
+    CHECK=False: the tiles lie inside Sq and every query sees every key of the
+    tile (`full_query_range`), so the range and window tests are skipped."""
+    EVEN_D: tl.constexpr = (D == BLOCK_D) and (DV == BLOCK_DV)
+    for m_start in range(m_lo, m_hi, BLOCK_M):
+        o_m = m_start + tl.arange(0, BLOCK_M)
+        # Q^T [BD, BM], dO^T [BDV, BM]
+        if CHECK:
+            m_qt = (o_m[None, :] < Sq) & (o_d[:, None] < D)
+            m_dot = (o_m[None, :] < Sq) & (o_dv[:, None] < DV)
+        elif EVEN_D:
+            m_qt = None
+            m_dot = None
+        else:
+            m_qt = o_d[:, None] < D
+            m_dot = o_dv[:, None] < DV
+        b_qt = tl.load(p_q + o_m[None, :].to(tl.int64) * stride_qs + o_d[:, None],
+                       mask=m_qt, other=None if m_qt is None else 0.0)
+        b_dot = tl.load(p_do + o_m[None, :].to(tl.int64) * stride_dos + o_dv[:, None],
+                        mask=m_dot, other=None if m_dot is None else 0.0)
+        lse2, delta = _load_row_stats(LSE, DELTA, row0, o_m, Sq)
+        # [BN, BM]
+        qkt = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)
+        dpt = tl.dot(b_v, b_dot, input_precision=DOT_PRECISION)
+        p_dropt, _, ds_rawt = _ds_tile(qkt, dpt, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
+                                       win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
+                                       MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                       HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                                       True, BLOCK_M, BLOCK_N, CHECK)
+        # [BN, BDV] += P'^T dO ; [BN, BD] += dS^T Q
+        dv = tl.dot(p_dropt.to(b_dot.dtype), tl.trans(b_dot), dv, input_precision=DOT_PRECISION)
+        dk = tl.dot(ds_rawt.to(b_qt.dtype), tl.trans(b_qt), dk, input_precision=DOT_PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -156,6 +200,9 @@ def attn_bwd_dkdv_kernel(
     lo, hi = query_range(n_start, off, win_left, win_right, Sq, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
     if IS_VARLEN:  # grids cover the longest sequence: blocks past this one's end do nothing
         hi = tl.where(n_start < Sk, hi, lo)
+    # query tiles [full_lo, full_hi) need no range / window test
+    full_lo, full_hi = full_query_range(n_start, off, win_left, win_right, Sq, Sk, lo, hi, BLOCK_M, BLOCK_N,
+                                        HAS_WL, HAS_WR)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b * Hq + h
@@ -163,25 +210,21 @@ def attn_bwd_dkdv_kernel(
         slope = load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI)
         p_q = Q + b64 * stride_qb + h * stride_qh
         p_do = DO + b64 * stride_dob + h * stride_doh
-        for m_start in range(lo, hi, BLOCK_M):
-            o_m = m_start + tl.arange(0, BLOCK_M)
-            # Q^T [BD, BM], dO^T [BDV, BM]
-            b_qt = tl.load(p_q + o_m[None, :].to(tl.int64) * stride_qs + o_d[:, None],
-                           mask=(o_m[None, :] < Sq) & (o_d[:, None] < D), other=0.0)
-            b_dot = tl.load(p_do + o_m[None, :].to(tl.int64) * stride_dos + o_dv[:, None],
-                            mask=(o_m[None, :] < Sq) & (o_dv[:, None] < DV), other=0.0)
-            lse2, delta = _load_row_stats(LSE, DELTA, row0, o_m, Sq)
-            # [BN, BM]
-            qkt = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)
-            dpt = tl.dot(b_v, b_dot, input_precision=DOT_PRECISION)
-            p_dropt, _, ds_rawt = _ds_tile(qkt, dpt, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
-                                           win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
-                                           MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                                           True, BLOCK_M, BLOCK_N)
-            # [BN, BDV] += P'^T dO ; [BN, BD] += dS^T Q
-            dv += tl.dot(p_dropt.to(b_dot.dtype), tl.trans(b_dot), input_precision=DOT_PRECISION)
-            dk += tl.dot(ds_rawt.to(b_qt.dtype), tl.trans(b_qt), input_precision=DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, full_lo, full_hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                             stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
+                             drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                             HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                             DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+        dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, lo, full_lo, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                             stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
+                             drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                             HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                             DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+        dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, full_hi, hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                             stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
+                             drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                             HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                             DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     dk *= scale
     m_nd = (o_n[:, None] < Sk) & (o_d[None, :] < D)
@@ -190,6 +233,46 @@ def attn_bwd_dkdv_kernel(
              dk.to(DK.dtype.element_ty), mask=m_nd)
     tl.store(DV_OUT + b64 * stride_dvb + hk * stride_dvh + o_n[:, None].to(tl.int64) * stride_dvs + o_dv[None, :],
              dv.to(DV_OUT.dtype.element_ty), mask=m_ndv)
+
+
+@triton.jit
+def _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+              stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
+              MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """dQ contributions of the key tiles [n_lo, n_hi).  CHECK=False: tiles from
+    `full_key_range` (inside Sk, seen in full by every query of the block)."""
+    EVEN_D: tl.constexpr = (D == BLOCK_D) and (DV == BLOCK_DV)
+    for n_start in range(n_lo, n_hi, BLOCK_N):
+        o_n = n_start + tl.arange(0, BLOCK_N)
+        # K^T [BD, BN], V^T [BDV, BN]
+        if CHECK:
+            m_kt = (o_n[None, :] < Sk) & (o_d[:, None] < D)
+            m_vt = (o_n[None, :] < Sk) & (o_dv[:, None] < DV)
+        elif EVEN_D:
+            m_kt = None
+            m_vt = None
+        else:
+            m_kt = o_d[:, None] < D
+            m_vt = o_dv[:, None] < DV
+        b_kt = tl.load(K + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None],
+                       mask=m_kt, other=None if m_kt is None else 0.0)
+        b_vt = tl.load(V + o_n[None, :].to(tl.int64) * stride_vs + o_dv[:, None],
+                       mask=m_vt, other=None if m_vt is None else 0.0)
+        # [BM, BN]
+        qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
+        dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
+        _, _, ds_raw = _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
+                                win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
+                                MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                                False, BLOCK_M, BLOCK_N, CHECK)
+        # [BM, BD] += dS K
+        dq = tl.dot(ds_raw.to(b_kt.dtype), tl.trans(b_kt), dq, input_precision=DOT_PRECISION)
+    return dq
 
 
 @triton.jit
@@ -212,6 +295,8 @@ def attn_bwd_dq_kernel(
     if SEED_FROM_PTR:  # an unseeded call: the seed was drawn on the device
         seed = tl.load(SEED)
     pid_m = tl.program_id(0)
+    if HAS_WR:  # causal-like: the longest query blocks (the last ones) first
+        pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
@@ -247,23 +332,24 @@ def attn_bwd_dq_kernel(
     lo, hi = key_range(m_start, m_start + BLOCK_M - 1, off, win_left, win_right, Sk, BLOCK_N, HAS_WL, HAS_WR)
     if IS_VARLEN:  # grids cover the longest sequence: blocks past this one's end do nothing
         hi = tl.where(m_start < Sq, hi, lo)
-    for n_start in range(lo, hi, BLOCK_N):
-        o_n = n_start + tl.arange(0, BLOCK_N)
-        # K^T [BD, BN], V^T [BDV, BN]
-        b_kt = tl.load(K + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None],
-                       mask=(o_n[None, :] < Sk) & (o_d[:, None] < D), other=0.0)
-        b_vt = tl.load(V + o_n[None, :].to(tl.int64) * stride_vs + o_dv[:, None],
-                       mask=(o_n[None, :] < Sk) & (o_dv[:, None] < DV), other=0.0)
-        # [BM, BN]
-        qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
-        dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
-        _, _, ds_raw = _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
-                                win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
-                                MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                                False, BLOCK_M, BLOCK_N)
-        # [BM, BD] += dS K
-        dq += tl.dot(ds_raw.to(b_kt.dtype), tl.trans(b_kt), input_precision=DOT_PRECISION)
+    # key tiles [full_lo, full_hi) need no range / window test
+    full_lo, full_hi = full_key_range(m_start, m_start + BLOCK_M - 1, off, win_left, win_right, Sk, lo, hi,
+                                      BLOCK_N, HAS_WL, HAS_WR)
+    dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                   stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold,
+                   drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                   HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                   DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+    dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, lo, full_lo, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                   stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold,
+                   drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                   HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                   DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+    dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, full_hi, hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                   stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold,
+                   drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                   HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                   DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     dq *= scale
     tl.store(DQ + b64 * stride_dqb + h * stride_dqh + o_m[:, None].to(tl.int64) * stride_dqs + o_d[None, :],

@@ -6,7 +6,7 @@ constexpr flag of this one kernel.
 import triton
 import triton.language as tl
 
-from .common import (LN2, full_key_range, key_range, key_rows, load_offset, load_slope, lse_row0, score_tile,
+from .common import (LN2, LOG2E, full_key_range, key_range, key_rows, load_offset, load_slope, lse_row0, score_tile,
                      seq_bounds)
 from .dropout import dropout_keep
 from .rope import rope_cos_sin, rope_partner, rope_rotate
@@ -22,16 +22,25 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
                DOT_PRECISION: tl.constexpr,
                D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_DV: tl.constexpr):
+               BLOCK_DV: tl.constexpr, SCALE_POS: tl.constexpr = False, WS: tl.constexpr = False):
     """Online-softmax update over the key tiles [n_lo, n_hi).  CHECK=False: the
     tiles are known to be in range and inside the window for every query.
     USE_TMA: K/V tiles come through tensor descriptors over [B, Sk, Hkv, D] (the
-    copy engine zero-fills past the tensor's end)."""
-    for n_start in range(n_lo, n_hi, BLOCK_N):
+    copy engine zero-fills past the tensor's end).
+    SCALE_POS (scale > 0): interior tiles without score modifiers take the row
+    max of the raw products and one fused multiply-add per score.
+    WS: ask Triton to warp-specialize the loop (producer / consumer warps)."""
+    # head dims that fill their padded width need no column masks on the loads
+    EVEN_D: tl.constexpr = (D == BLOCK_D) and (DV == BLOCK_DV)
+    PLAIN: tl.constexpr = SCALE_POS and not (CHECK or HAS_MASK or HAS_SOFTCAP or HAS_ALIBI)
+    for n_start in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WS):
         o_n = n_start + tl.arange(0, BLOCK_N)
         if CHECK:
             m_kt = (o_n[None, :] < Sk) & (o_d[:, None] < D)
             m_v = (o_n[:, None] < Sk) & (o_dv[None, :] < DV)
+        elif EVEN_D:
+            m_kt = None
+            m_v = None
         else:
             m_kt = o_d[:, None] < D
             m_v = o_dv[None, :] < DV
@@ -40,16 +49,23 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
             b_kt = tl.trans(tl.reshape(K_DESC.load([b, n_start, hk, 0]), [BLOCK_N, BLOCK_D]))
         else:
             b_kt = tl.load(K + key_rows(o_n, Sk, BT, stride_kp, stride_ks, PAGED, PAGE)[None, :] + o_d[:, None],
-                           mask=m_kt, other=0.0)
+                           mask=m_kt, other=None if m_kt is None else 0.0)
         # [BM, BN]
         qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
-        s2, _ = score_tile(qk, o_m[:, None], o_n[None, :], b, h, Sq, Sk, off, win_left, win_right, scale, softcap,
-                           slope, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_ALIBI, CHECK)
-        m_new = tl.maximum(m_i, tl.max(s2, axis=1))
-        # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s2 - m_shift[:, None])
+        if PLAIN:
+            # every score of the tile is finite, so the row max is too
+            c = scale * LOG2E
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * c)
+            m_shift = m_new
+            p = tl.exp2(qk * c - m_shift[:, None])
+        else:
+            s2, _ = score_tile(qk, o_m[:, None], o_n[None, :], b, h, Sq, Sk, off, win_left, win_right, scale,
+                               softcap, slope, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                               HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_ALIBI, CHECK)
+            m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+            # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s2 - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if HAS_DROPOUT:
@@ -63,8 +79,8 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
                 b_v = tl.where(o_n[:, None] < Sk, b_v, 0.0)
         else:
             b_v = tl.load(V + key_rows(o_n, Sk, BT, stride_vp, stride_vs, PAGED, PAGE)[:, None] + o_dv[None, :],
-                          mask=m_v, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+                          mask=m_v, other=None if m_v is None else 0.0)
+        acc = tl.dot(p.to(b_v.dtype), b_v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -87,6 +103,7 @@ def attn_fwd_kernel(
     PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, PACK_GQA: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SCALE_POS: tl.constexpr = False, WS: tl.constexpr = False,
 ):
     # Sq, Sk: the lengths of a dense batch; for a packed (varlen) batch, the total
     # rows, with each sequence's bounds read from CU_Q / CU_K (batch strides are 0).
@@ -107,6 +124,10 @@ def attn_fwd_kernel(
     if IS_SPLIT:
         split = pid_m % num_splits
         pid_m = pid_m // num_splits
+    elif HAS_WR:
+        # causal-like: the last query blocks see the most keys; start them first so
+        # the grid's tail is made of short programs (longest-processing-time first)
+        pid_m = tl.num_programs(0) - 1 - pid_m
     m_start = pid_m * BLOCK_M
     r = m_start + tl.arange(0, BLOCK_M)
     if PACK_GQA:
@@ -187,19 +208,19 @@ def attn_fwd_kernel(
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
-                               D, DV, False, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+                               D, DV, False, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALE_POS, WS)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, lo, full_lo, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
                                off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
-                               D, DV, True, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+                               D, DV, True, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALE_POS)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, full_hi, hi, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
                                off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
-                               D, DV, True, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+                               D, DV, True, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALE_POS)
 
     empty = l_i == 0.0  # fully masked row: o = 0, lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)

@@ -181,3 +181,27 @@ def query_range(n_start, off, win_left, win_right, Sq, BLOCK_M: tl.constexpr, BL
     if HAS_WL:
         hi = tl.minimum(hi, n_start + BLOCK_N - off + win_left)
     return lo, hi
+
+
+@triton.jit
+def full_query_range(n_start, off, win_left, win_right, Sq, Sk, lo, hi, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):
+    """The query tiles of [lo, hi) (lo aligned to BLOCK_M) whose every query sees every key
+    of the tile n_start .. n_start+BLOCK_N-1 (`full_key_range` with the roles swapped):
+    [full_lo, full_hi), both on tile boundaries or at hi.  Empty when the key tile
+    runs past Sk."""
+    full_lo = lo
+    full_hi = (Sq // BLOCK_M) * BLOCK_M
+    if HAS_WR:
+        # query i sees keys up to i + off + win_right: the tile's last key needs
+        # i >= n_start + BLOCK_N - 1 - off - win_right
+        first = tl.maximum(n_start + BLOCK_N - 1 - off - win_right, 0)
+        full_lo = tl.maximum(full_lo, ((first + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+    if HAS_WL:
+        # query i sees keys from i + off - win_left: the tile's first key needs
+        # i <= n_start - off + win_left
+        full_hi = tl.minimum(full_hi, (tl.maximum(n_start - off + win_left + 1, 0) // BLOCK_M) * BLOCK_M)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    full_hi = tl.where(n_start + BLOCK_N <= Sk, full_hi, full_lo)
+    return full_lo, full_hi

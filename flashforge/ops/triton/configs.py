@@ -2,10 +2,15 @@
 
 Keyed by (pass, head-dim bucket, element size); the interpreter (CPU tensors)
 uses small tiles because it runs each program as numpy code.  Override a
-choice by editing the table or with `set_config` (benchmarks sweep this way).
+choice by editing the table, with `set_config` (benchmarks sweep this way), or
+for a whole process with a JSON file named by $FLASHFORGE_TILE_CONFIGS:
+``{"fwd/128/2": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2}, ...}``
+(what `benchmarks/sweep.py --write-configs` writes for another GPU).
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import triton
@@ -20,6 +25,8 @@ class TileConfig:
     # forward only: load K/V tiles with the Hopper copy engine (TMA descriptors) where
     # the layout allows it; off until measured (benchmarks/sweep.py compares both)
     tma: bool = False
+    # forward only: warp-specialize the interior key loop (tl.range(..., warp_specialize=True))
+    ws: bool = False
 
 
 # (pass, head-dim bucket, bytes per element) -> config, for CUDA GPUs.
@@ -47,6 +54,29 @@ _TABLE: dict[tuple[str, int, int], TileConfig] = {
 }
 _INTERPRETER = TileConfig(16, 16, 1, 1)
 _overrides: dict[tuple[str, int, int], TileConfig] = {}
+ENV_FILE = "FLASHFORGE_TILE_CONFIGS"
+
+
+def parse_configs(data: dict) -> dict[tuple[str, int, int], TileConfig]:
+    """{"kind/bucket/elem": {TileConfig fields}} -> table entries; bad keys raise ValueError."""
+    out = {}
+    for key, fields in data.items():
+        parts = str(key).split("/")
+        if len(parts) != 3 or parts[0] not in ("fwd", "bwd_kv", "bwd_q"):
+            raise ValueError(f"{ENV_FILE}: key {key!r} is not 'fwd|bwd_kv|bwd_q/<head-dim bucket>/<bytes>'")
+        out[(parts[0], int(parts[1]), int(parts[2]))] = TileConfig(**fields)
+    return out
+
+
+def _load_env_file() -> dict[tuple[str, int, int], TileConfig]:
+    path = os.environ.get(ENV_FILE)
+    if not path:
+        return {}
+    with open(path) as f:
+        return parse_configs(json.load(f))
+
+
+_from_env = _load_env_file()
 
 
 def head_dim_block(d: int) -> int:
@@ -59,7 +89,7 @@ def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool) -> Til
         return _INTERPRETER
     bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
     key = (kind, bucket, elem_size)
-    return _overrides.get(key, _TABLE[key])
+    return _overrides.get(key) or _from_env.get(key) or _TABLE[key]
 
 
 def set_config(kind: str, head_dim_bucket: int, elem_size: int, config: TileConfig | None) -> None:
