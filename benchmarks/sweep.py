@@ -186,17 +186,18 @@ def _worker_compile(job: tuple) -> tuple:
         set_config(kind, w["bucket"], w["elem"], None)
 
 
-def warm_cache(jobs: list, workers: int, D: int, S: int, dtype_name: str, causal: bool, log=print) -> dict:
+def warm_cache(jobs: list, workers: int, D: int, S: int, dtype_name: str, causal: bool, log=print) -> list:
     """Compile every (kind, config) in `workers` processes at once (compiling dominates a
-    sweep; one GPU serves the single launches fine).  Returns {job: error} for failures."""
+    sweep; one GPU serves the single launches fine).  Returns [(job, error)] for failures."""
     import multiprocessing as mp
     t0 = time.perf_counter()
     ctx = mp.get_context("spawn")
-    errors = {}
+    errors = []
     with ctx.Pool(workers, initializer=_worker_init, initargs=(D, S, dtype_name, causal)) as pool:
         for job, err in pool.imap_unordered(_worker_compile, jobs):
             if err:
-                errors[job] = err
+                errors.append((job, err))
+                log(f"  warm-up: {job[0]} {job[1]}: {err}")
     log(f"warm-up: compiled {len(jobs)} configs in {workers} processes in {time.perf_counter() - t0:.0f} s"
         f" ({len(errors)} failed)")
     return errors

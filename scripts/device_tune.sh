@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call that tunes the tile table for the GPU it runs on:
-#   1. the GPU tests (pytest-xdist when present: compiling dominates a cold run),
-#   2. tile sweeps (benchmarks/sweep.py --quick) at D = 128 and 64, forward and backward,
+#   1. tile sweeps (benchmarks/sweep.py --quick) at D = 128 and 64, forward and backward,
 #      merging each kind's winner into $OUT/tiles.json,
+#   2. the GPU tests (pytest-xdist when present: compiling dominates a cold run),
 #   3. the fwd / fwd+bwd grid against cuDNN with those tiles (FLASHFORGE_TILE_CONFIGS).
 # Every step has a time limit so that the whole call stays under ~9.5 minutes and the
 # summary prints.  FF_TUNE_BUDGET (seconds, default 560) sets the total.
@@ -20,21 +20,12 @@ PY=python3
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader 2>/dev/null || true
 XDIST=""
-"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"
-
-echo "== pytest ($XDIST)"
-t0=$SECONDS
-timeout -k 5 "${FF_TEST_LIMIT:-150}" "$PY" -m pytest -q -p no:cacheprovider $XDIST --junitxml="$OUT_DIR/junit-gpu.xml" \
-    tests/test_gpu.py tests/test_rope.py tests/test_varlen.py tests/test_kvcache.py tests/test_tma.py \
-    tests/test_compile.py tests/test_transformers.py tests/test_attention_torch.py::test_runs_on_cuda_tensors \
-    > "$OUT_DIR/pytest.log" 2>&1
-test_rc=$?
-echo "pytest exit $test_rc after $((SECONDS - t0)) s"
+"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 12"
 
 TILES="$OUT_DIR/tiles.json"
-for spec in "128 fwd" "128 bwd" "64 fwd" "64 bwd"; do
-    set -- $spec
-    lim=$(( $(left) - 150 ))
+for spec in ${FF_SWEEPS:-"128:fwd" "128:bwd" "64:fwd" "64:bwd"}; do
+    set -- ${spec/:/ }
+    lim=$(( $(left) - 360 ))
     [ "$lim" -gt 110 ] && lim=110
     if [ "$lim" -lt 30 ]; then echo "skip sweep D=$1 $2 (time)"; continue; fi
     echo "== sweep D=$1 $2 (limit ${lim}s)"
@@ -45,10 +36,20 @@ for spec in "128 fwd" "128 bwd" "64 fwd" "64 bwd"; do
 done
 echo "== tiles"; cat "$TILES" 2>/dev/null
 
+echo "== pytest ($XDIST)"
+t0=$SECONDS
+lim=$(( $(left) - 60 )); [ "$lim" -gt "${FF_TEST_LIMIT:-280}" ] && lim="${FF_TEST_LIMIT:-280}"
+timeout -k 5 "$lim" "$PY" -m pytest -q -p no:cacheprovider $XDIST --junitxml="$OUT_DIR/junit-gpu.xml" \
+    tests/test_gpu.py tests/test_rope.py tests/test_varlen.py tests/test_kvcache.py tests/test_tma.py \
+    tests/test_compile.py tests/test_transformers.py tests/test_attention_torch.py::test_runs_on_cuda_tensors \
+    > "$OUT_DIR/pytest.log" 2>&1
+test_rc=$?
+echo "pytest exit $test_rc after $((SECONDS - t0)) s"
+
 lim=$(( $(left) - 5 ))
 echo "== bench fwd,fwdbwd vs cuDNN with the tuned tiles (limit ${lim}s)"
 [ -f "$TILES" ] && export FLASHFORGE_TILE_CONFIGS="$TILES"
-timeout -k 5 "$lim" "$PY" benchmarks/attention_bench.py --suite fwd,fwdbwd --skip flex,flash,efficient \
+timeout -k 5 "$lim" "$PY" benchmarks/attention_bench.py --suite "${FF_BENCH_SUITES:-fwd,fwdbwd}" --skip flex,flash,efficient \
     --out "$OUT_DIR/bench" --max-seconds $((lim - 30)) > "$OUT_DIR/bench.log" 2>&1
 echo "bench exit $?"
 
@@ -61,3 +62,5 @@ sed -n '/short test summary info/,$p' "$OUT_DIR/pytest.log" | tail -n 25 | cut -
 echo "---- bench"
 tail -n 45 "$OUT_DIR/bench.log"
 echo "pytest: $(tail -n 1 "$OUT_DIR/pytest.log") (exit $test_rc)"
+# the device tool returns only a few files: everything in one archive
+(cd "$OUT_DIR" && tar czf /tmp/ff_results.tgz --exclude=results.tgz . && rm -rf ./* && mv /tmp/ff_results.tgz results.tgz)
