@@ -83,6 +83,20 @@ def candidates(kind: str, quick: bool = False, current=None) -> list:
     return out
 
 
+def parse_configs(text: str) -> list:
+    """"128x128w8s3,64x64w4s3tma,128x64w8s3ws" -> TileConfigs (suffixes tma / ws opt in)."""
+    import re
+    from flashforge.ops.triton.configs import TileConfig
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)((?:tma|ws)*)", item)
+        if not m:
+            raise ValueError(f"--configs: {item!r} is not like 128x64w8s3, 64x64w4s3tma or 128x64w8s3tmaws")
+        bm, bn, w, st, flags = m.groups()
+        out.append(TileConfig(int(bm), int(bn), int(w), int(st), tma="tma" in flags, ws="ws" in flags))
+    return out
+
+
 def table_line(kind: str, bucket: int, elem: int, cfg) -> str:
     tma = (", tma=True" if cfg.tma else "") + (", ws=True" if cfg.ws else "")
     return (f'    ("{kind}", {bucket}, {elem}): TileConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, '
@@ -239,6 +253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-seconds", type=float, default=540.0, help="stop trying configs after this (default 540)")
     p.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1),
                    help="processes that compile the candidates before the (serial) timing; 1: no warm-up")
+    p.add_argument("--configs", default="",
+                   help="time only these candidates (with the table's), e.g. 128x128w8s3,64x64w4s3tma")
     p.add_argument("--write-configs", default="",
                    help="merge the best config of each kind into this JSON file ($FLASHFORGE_TILE_CONFIGS format)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
@@ -298,7 +314,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{gpu} torch {torch.__version__} triton {env['triton']}")
     results: dict = {}
     summary = []
-    all_cands = {kind: candidates(kind, args.quick, get_config(kind, D, elem, False)) for kind in kinds}
+    if args.configs:
+        given = parse_configs(args.configs)
+        all_cands = {kind: [get_config(kind, D, elem, False)] + [c for c in given if c != get_config(kind, D, elem, False)]
+                     for kind in kinds}
+    else:
+        all_cands = {kind: candidates(kind, args.quick, get_config(kind, D, elem, False)) for kind in kinds}
     if args.device == "cuda" and args.jobs > 1:
         jobs = [(kind, asdict(c)) for kind in kinds for c in all_cands[kind]]
         warm_cache(jobs, args.jobs, D, S, args.dtype, args.causal)
