@@ -316,15 +316,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = []
     if args.configs:
         given = parse_configs(args.configs)
-        all_cands = {kind: [get_config(kind, D, elem, False)] + [c for c in given if c != get_config(kind, D, elem, False)]
+        all_cands = {kind: [get_config(kind, D, elem, False, causal=args.causal)] + [c for c in given if c != get_config(kind, D, elem, False, causal=args.causal)]
                      for kind in kinds}
     else:
-        all_cands = {kind: candidates(kind, args.quick, get_config(kind, D, elem, False)) for kind in kinds}
+        all_cands = {kind: candidates(kind, args.quick, get_config(kind, D, elem, False, causal=args.causal)) for kind in kinds}
     if args.device == "cuda" and args.jobs > 1:
         jobs = [(kind, asdict(c)) for kind in kinds for c in all_cands[kind]]
         warm_cache(jobs, args.jobs, D, S, args.dtype, args.causal)
     for kind in kinds:
-        current = get_config(kind, D, elem, False)
+        current = get_config(kind, D, elem, False, causal=args.causal)
         cands = all_cands[kind]
         print(f"{kind}: {len(cands)} candidates (table: {current})", flush=True)
         kind_flops = flops if kind == "fwd" else 2.5 * flops

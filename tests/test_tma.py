@@ -15,12 +15,16 @@ DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
 def _both(fn, monkeypatch):
     """fn() with the table's configs (pointer loads), then with descriptors turned on for the forward."""
-    plain = fn()
     real = configs.get_config
-    monkeypatch.setattr("flashforge.ops.triton.attention.get_config",
-                        lambda kind, d, e, i: configs.TileConfig(*[getattr(real(kind, d, e, i), f) for f in
-                                                                   ("block_m", "block_n", "num_warps",
-                                                                    "num_stages")], tma=kind == "fwd"))
+
+    def with_tma(on):
+        return lambda kind, d, e, i, **kw: configs.TileConfig(
+            *[getattr(real(kind, d, e, i, **kw), f) for f in ("block_m", "block_n", "num_warps", "num_stages")],
+            tma=on and kind == "fwd")
+    # the table itself turns TMA on for some forward shapes: force both ways
+    monkeypatch.setattr("flashforge.ops.triton.attention.get_config", with_tma(False))
+    plain = fn()
+    monkeypatch.setattr("flashforge.ops.triton.attention.get_config", with_tma(True))
     return plain, fn()
 
 

@@ -114,7 +114,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     interpret = _interpreting(q)
     o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
-    cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret)
+    cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     (offsets, alibi, s_ab, s_ah, cu_q, cu_k, seed_t), scalars, flags = _common_args(q, params)
     splits = max(1, params.num_splits)

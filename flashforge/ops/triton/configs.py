@@ -33,8 +33,13 @@ class TileConfig:
 # "bwd_kv" walks query tiles (block_m, small) past a resident key tile
 # (block_n, large); "bwd_q" the other way round.
 _TABLE: dict[tuple[str, int, int], TileConfig] = {
-    ("fwd", 64, 2): TileConfig(128, 64, 4, 3),
-    ("fwd", 128, 2): TileConfig(128, 64, 8, 3),
+    # H200 grid (benchmarks/RESULTS.md, 2026-11-29): without a causal mask the wide tiles win
+    # (D = 128: 370-525 TFLOP/s against 342-476 for 128 x 64); with one, the 64-row tiles
+    # through TMA (D = 128: 329-530 against 248-509) -- shorter rows balance the triangle.
+    ("fwd", 64, 2): TileConfig(64, 128, 4, 2, tma=True),
+    ("fwd", 128, 2): TileConfig(128, 128, 8, 3),
+    ("fwd_causal", 64, 2): TileConfig(128, 64, 8, 3),
+    ("fwd_causal", 128, 2): TileConfig(64, 64, 4, 3, tma=True),
     ("fwd", 256, 2): TileConfig(64, 32, 4, 2),
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
     ("fwd", 128, 4): TileConfig(64, 32, 4, 2),
@@ -62,8 +67,8 @@ def parse_configs(data: dict) -> dict[tuple[str, int, int], TileConfig]:
     out = {}
     for key, fields in data.items():
         parts = str(key).split("/")
-        if len(parts) != 3 or parts[0] not in ("fwd", "bwd_kv", "bwd_q"):
-            raise ValueError(f"{ENV_FILE}: key {key!r} is not 'fwd|bwd_kv|bwd_q/<head-dim bucket>/<bytes>'")
+        if len(parts) != 3 or parts[0] not in ("fwd", "fwd_causal", "bwd_kv", "bwd_q"):
+            raise ValueError(f"{ENV_FILE}: key {key!r} is not 'fwd|fwd_causal|bwd_kv|bwd_q/<head-dim bucket>/<bytes>'")
         out[(parts[0], int(parts[1]), int(parts[2]))] = TileConfig(**fields)
     return out
 
@@ -84,12 +89,21 @@ def head_dim_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool) -> TileConfig:
+def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal: bool = False) -> TileConfig:
+    """The tiles for one kernel.  causal (forward only): a "fwd_causal" entry, where there is
+    one, takes precedence over "fwd" at the same level (set_config, then the
+    $FLASHFORGE_TILE_CONFIGS file, then the table)."""
     if interpret:
         return _INTERPRETER
     bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
-    key = (kind, bucket, elem_size)
-    return _overrides.get(key) or _from_env.get(key) or _TABLE[key]
+    keys = [(kind, bucket, elem_size)]
+    if causal and kind == "fwd":
+        keys.insert(0, ("fwd_causal", bucket, elem_size))
+    for source in (_overrides, _from_env, _TABLE):
+        for key in keys:
+            if key in source:
+                return source[key]
+    raise KeyError(keys[-1])
 
 
 def set_config(kind: str, head_dim_bucket: int, elem_size: int, config: TileConfig | None) -> None:
