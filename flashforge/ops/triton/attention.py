@@ -7,6 +7,7 @@ is a 4-D view whose size-1 dims broadcast (passed with stride 0).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -115,6 +116,9 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0)
+    if mask is not None and cfg.block_n > 64:
+        # the mask tile is pipelined like K and V: 128-key tiles overflow shared memory (sm90)
+        cfg = replace(cfg, block_n=64, num_stages=min(cfg.num_stages, 3))
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     (offsets, alibi, s_ab, s_ah, cu_q, cu_k, seed_t), scalars, flags = _common_args(q, params)
     splits = max(1, params.num_splits)

@@ -171,38 +171,22 @@ def rope_kernel(x_ptr, o_ptr, turns_ptr, pos_ptr, pos_base, S, H, D, n_s_blocks,
 
 
 @functools.lru_cache(maxsize=64)
-def _host_turns(rotary_dim: int, theta: float) -> torch.Tensor:
+def _host_turns(rotary_dim: int, theta: float, pinned: bool) -> torch.Tensor:
     inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     # inv_freq <= 1, so turns < 1/(2 pi): exact in int64 after the power-of-two scaling
-    return (inv_freq / (2.0 * math.pi) * 2.0**64).to(torch.int64)
-
-
-_device_turns: dict = {}
+    turns = (inv_freq / (2.0 * math.pi) * 2.0**64).to(torch.int64)
+    return turns.pin_memory() if pinned else turns
 
 
 def rope_turns(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """int64 ``[rotary_dim / 2]``: ``inv_freq_k / 2pi`` as a fraction of 2**64 (< 2**63),
-    cached per device."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (rotary_dim, float(theta), device)
-    turns = _device_turns.get(key)
-    if turns is None:
-        host = _host_turns(rotary_dim, float(theta))
-        if device.type == "cuda":
-            # Copied on a side stream: torch.compile(mode="reduce-overhead") warms up with the
-            # current stream's allocations going to its CUDA-graph pool, which must not own a
-            # cache entry that outlives the graph ("tensor in the cudagraph pool not tracked").
-            side = torch.cuda.Stream(device)
-            with torch.cuda.stream(side):
-                turns = host.to(device)
-            side.synchronize()
-        else:
-            turns = host.to(device)
-        if len(_device_turns) >= 64:
-            _device_turns.clear()
-        _device_turns[key] = turns
-    return turns
+    """int64 ``[rotary_dim / 2]``: ``inv_freq_k / 2pi`` as a fraction of 2**64 (< 2**63).
+
+    A fresh device copy per call (an asynchronous copy from a cached pinned host tensor),
+    not a cached device tensor: torch.compile(mode="reduce-overhead") allocates from its
+    CUDA-graph pool while it warms up, and a cache entry made there would be a live
+    allocation the graph does not own ("tensor in the cudagraph pool not tracked")."""
+    host = _host_turns(rotary_dim, float(theta), device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def rope(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
