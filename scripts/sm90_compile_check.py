@@ -140,6 +140,12 @@ def record(quick: bool):
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
     run(mask=torch.randn(2, 1, 128, 128), softcap=5.0)
     run(D=128, mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=5)  # the table's widest tiles, masked
+    # the fused backward (dQ by atomics in the dK/dV kernel), opt-in per tile config
+    launchers.get_config = lambda kind, d, e, interpret, **kw: replace(real_get(kind, d, e, False, **kw),
+                                                                       fused_dq=kind == "bwd_kv")
+    run(D=128, window_right=0)
+    run(mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=3, softcap=5.0)
+    launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
     if quick:
         return log
     run(D=40, mask=torch.rand(128, 128)[None, None] > 0.5, window_left=16, window_right=8)

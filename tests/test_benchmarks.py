@@ -311,7 +311,12 @@ def test_sweep_pure_parts():
     assert sum(c.tma and c.ws for c in cands) == 36
     odd = TileConfig(32, 16, 2, 1)
     assert sweep.candidates("bwd_q", quick=True, current=odd)[0] == odd
-    assert len(sweep.candidates("bwd_kv", quick=True)) == 24
+    bwd_kv = sweep.candidates("bwd_kv", quick=True)
+    assert len(bwd_kv) == 48 and sum(c.fused_dq for c in bwd_kv) == 24
+    assert sweep.parse_configs("64x128w8s3fdq,128x64w8s3tma") == [TileConfig(64, 128, 8, 3, fused_dq=True),
+                                                                   TileConfig(128, 64, 8, 3, tma=True)]
+    with pytest.raises(ValueError):
+        sweep.parse_configs("64x128w8")
     quick_fwd = sweep.candidates("fwd", quick=True)
     assert len(quick_fwd) == 48 and all(c.num_warps == (8 if c.block_m == 128 else 4) for c in quick_fwd)
     assert sweep.table_line("fwd", 128, 2, cur).strip() == '("fwd", 128, 2): TileConfig(128, 64, 8, 3),'

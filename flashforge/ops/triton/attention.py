@@ -190,22 +190,29 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         HAS_DLSE=dlse is not None, IS_VARLEN=vl, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
     )
 
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     strides_qkvdo = (*_bshd_strides(q, vl), *_bshd_strides(k, vl), *_bshd_strides(v, vl), *_bshd_strides(do, vl))
+    # fused: dQ summed by atomics inside the dK/dV kernel (order varies: never when asked
+    # to be deterministic); else the dQ kernel recomputes the scores per query block
+    fused = cfg_kv.fused_dq and not params.deterministic
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else q
     attn_bwd_dkdv_kernel[(triton.cdiv(max_sk, cfg_kv.block_n), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
+        q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t, dq_acc,
         *strides_qkvdo, *_bshd_strides(dk, vl), *_bshd_strides(dv, vl), *m_strides, s_ab, s_ah,
-        Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
-        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv),
+        *_bshd_strides(dq_acc, vl), Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
+        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv), FUSED_DQ=fused,
     )
-    attn_bwd_dq_kernel[(triton.cdiv(max_sq, cfg_q.block_m), B * Hq)](
-        q, k, v, do, lse, delta, dq, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
-        *strides_qkvdo, *_bshd_strides(dq, vl), *m_strides, s_ab, s_ah,
-        Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
-        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_q),
-    )
+    if fused:
+        dq = (dq_acc * params.scale).to(q.dtype)
+    else:
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        attn_bwd_dq_kernel[(triton.cdiv(max_sq, cfg_q.block_m), B * Hq)](
+            q, k, v, do, lse, delta, dq, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
+            *strides_qkvdo, *_bshd_strides(dq, vl), *m_strides, s_ab, s_ah,
+            Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
+            HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_q),
+        )
 
     dmask = None
     if need_dmask:  # masks are for dense batches only (the public layer rejects them with cu_seqlens)

@@ -1,4 +1,4 @@
-"""Attention backward kernels (FA2 split, no atomics, so always deterministic).
+"""Attention backward kernels (FA2 split, no atomics, so deterministic by default).
 
 - `attn_bwd_preprocess_kernel`: delta_i = rowsum(o_i * do_i) - dlse_i.
   (The lse gradient adds dlse_i * P_ij to dS_ij, i.e. it shifts delta.)
@@ -7,6 +7,8 @@
   so dK/dV are summed over the group in registers.  Works on transposed
   [keys, queries] tiles.
 - `attn_bwd_dq_kernel`: one program per (query block, batch * query head).
+  (Opt-in, `TileConfig.fused_dq` on the dK/dV entry, never with deterministic=True:
+  the dK/dV kernel also adds dQ with float32 atomics and this kernel is skipped.)
 - `attn_bwd_dmask_kernel`: one program per tile of the mask's own shape; loops
   over the dims the mask broadcasts over, so dmask is reduced in a fixed order.
 
@@ -109,10 +111,14 @@ def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, m_lo, m_hi, o_n, 
                 HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                p_dq, stride_dqs, FUSED_DQ: tl.constexpr):
     """dK/dV contributions of the query tiles [m_lo, m_hi) of one query head.
     CHECK=False: the tiles lie inside Sq and every query sees every key of the
-    tile (`full_query_range`), so the range and window tests are skipped."""
+    tile (`full_query_range`), so the range and window tests are skipped.
+    FUSED_DQ: also add this key tile's share of dQ / scale (dS K) into the float32
+    buffer p_dq with atomics: five matrix products per tile instead of the split
+    backward's seven, in an order that varies run to run."""
     EVEN_D: tl.constexpr = (D == BLOCK_D) and (DV == BLOCK_DV)
     for m_start in range(m_lo, m_hi, BLOCK_M):
         o_m = m_start + tl.arange(0, BLOCK_M)
@@ -141,13 +147,19 @@ def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, m_lo, m_hi, o_n, 
                                        True, BLOCK_M, BLOCK_N, CHECK)
         # [BN, BDV] += P'^T dO ; [BN, BD] += dS^T Q
         dv = tl.dot(p_dropt.to(b_dot.dtype), tl.trans(b_dot), dv, input_precision=DOT_PRECISION)
-        dk = tl.dot(ds_rawt.to(b_qt.dtype), tl.trans(b_qt), dk, input_precision=DOT_PRECISION)
+        ds_lp = ds_rawt.to(b_qt.dtype)
+        dk = tl.dot(ds_lp, tl.trans(b_qt), dk, input_precision=DOT_PRECISION)
+        if FUSED_DQ:
+            # [BM, BD] = dS K; rows past Sq are masked off (their dS is 0 anyway)
+            dq_part = tl.dot(tl.trans(ds_lp), b_k, input_precision=DOT_PRECISION)
+            tl.atomic_add(p_dq + o_m[:, None].to(tl.int64) * stride_dqs + o_d[None, :], dq_part,
+                          mask=(o_m[:, None] < Sq) & (o_d[None, :] < D), sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED,
+    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED, DQ_ACC,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -155,6 +167,7 @@ def attn_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
+    stride_dqb, stride_dqs, stride_dqh,
     Hq, Hkv, Sq, Sk, D: tl.constexpr, DV: tl.constexpr, GROUP,
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
@@ -162,6 +175,7 @@ def attn_bwd_dkdv_kernel(
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    FUSED_DQ: tl.constexpr = False,
 ):
     # Tiles here are transposed ([keys, queries]) so that dV += P'^T dO and
     # dK += dS^T Q take the accumulator tiles as they come out of the MMA,
@@ -188,6 +202,7 @@ def attn_bwd_dkdv_kernel(
     V += tl.cast(k_start, tl.int64) * stride_vs
     DK += tl.cast(k_start, tl.int64) * stride_dks
     DV_OUT += tl.cast(k_start, tl.int64) * stride_dvs
+    DQ_ACC += tl.cast(q_start, tl.int64) * stride_dqs
 
     # K [BN, BD], V [BN, BDV]
     b_k = tl.load(K + b64 * stride_kb + hk * stride_kh + o_n[:, None].to(tl.int64) * stride_ks + o_d[None, :],
@@ -210,21 +225,25 @@ def attn_bwd_dkdv_kernel(
         slope = load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI)
         p_q = Q + b64 * stride_qb + h * stride_qh
         p_do = DO + b64 * stride_dob + h * stride_doh
+        p_dq = DQ_ACC + b64 * stride_dqb + h * stride_dqh
         dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, full_lo, full_hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
                              stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
                              drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                              HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                             DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+                             DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                             p_dq, stride_dqs, FUSED_DQ)
         dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, lo, full_lo, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
                              stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
                              drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                              HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                             DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+                             DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                             p_dq, stride_dqs, FUSED_DQ)
         dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, full_hi, hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
                              stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
                              drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                              HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                             DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+                             DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                             p_dq, stride_dqs, FUSED_DQ)
 
     dk *= scale
     m_nd = (o_n[:, None] < Sk) & (o_d[None, :] < D)

@@ -27,6 +27,9 @@ class TileConfig:
     tma: bool = False
     # forward only: warp-specialize the interior key loop (tl.range(..., warp_specialize=True))
     ws: bool = False
+    # bwd_kv only: the dK/dV kernel also accumulates dQ (float32 atomics) and the dQ kernel
+    # is skipped; ignored when deterministic=True.  Off until measured.
+    fused_dq: bool = False
 
 
 # (pass, head-dim bucket, bytes per element) -> config, for CUDA GPUs.
