@@ -17,6 +17,11 @@ query head of a kv head, and a query block is one contiguous row range.  The
 same tiles viewed as ``[B, Hkv, n, G, c]`` broadcast against the mask,
 visibility and dropout index tensors.
 
+Scores are kept in log2 units (q is scaled by ``scale * log2(e)`` once), so the
+softmax runs on ``exp2``: on x86 CPUs torch's exp2 is about 3x faster than exp.
+Keys are also kept transposed (``[B*Hkv, D, Sk]``, contiguous), which the score
+bmm reads about 1.6x faster than a transposed view.
+
 Accumulation is float32 for float16/bfloat16/float32 inputs and float64 for
 float64 inputs (gradcheck).  Matmuls follow torch's own precision settings.
 The loop order is fixed and there are no atomics, so results are bitwise
@@ -41,6 +46,8 @@ QUERY_BLOCK = 256
 KEY_CHUNK = 256
 
 _NEG_INF = float("-inf")
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -116,14 +123,16 @@ class _Tiles:
         self.params = params
         self.acc = _acc_dtype(q.dtype)
         dev = q.device
-        # Scale folded into q once: scores come out scaled and dK = dS^T (scale q) needs no extra pass.
-        self.q = _group_rows(q, Hkv, self.acc).mul_(params.scale)  # [B*Hkv, Sq*G, D]
+        # scale * log2(e) folded into q once: scores come out in log2 units, and
+        # dK = ln2 * dS^T (scaled q) costs one multiply at the end
+        self.q = _group_rows(q, Hkv, self.acc).mul_(params.scale * _LOG2E)  # [B*Hkv, Sq*G, D]
         self.k = _heads_first(k, self.acc)  # [B*Hkv, Sk, D]
+        self.kt = self.k.transpose(1, 2).contiguous()  # [B*Hkv, D, Sk], what the score bmm reads fastest
         self.v = _heads_first(v, self.acc)  # [B*Hkv, Sk, Dv]
         self.mask = None if mask is None else _mask5(mask, Hkv, self.G)
         # ALiBi slopes [B, Hq] -> [B, Hkv, 1, G, 1], the grouped tile layout
         slopes = params.alibi_slopes
-        self.slopes = None if slopes is None else slopes.to(self.acc).reshape(B, Hkv, 1, self.G, 1)
+        self.slopes = None if slopes is None else (slopes.to(self.acc) * _LOG2E).reshape(B, Hkv, 1, self.G, 1)
         self.rows = torch.arange(Sq, device=dev).view(1, 1, Sq, 1, 1)
         self.cols = torch.arange(Sk, device=dev).view(1, 1, 1, 1, Sk)
         shift = Sk - Sq if params.offset_bottom_right else 0
@@ -183,12 +192,12 @@ class _Tiles:
         return (d < -left) | (d > right)
 
     def scores(self, r0: int, r1: int, c0: int, c1: int, softcap_grad: bool = False):
-        """Masked scores ``[B*Hkv, n*G, c]`` of query rows [r0, r1) against keys [c0, c1), and, if asked
-        and softcap is on, d(capped)/d(raw) = 1 - tanh^2 of the same shape (else None)."""
+        """Masked scores ``[B*Hkv, n*G, c]`` of query rows [r0, r1) against keys [c0, c1), in log2
+        units, and, if asked and softcap is on, d(capped)/d(raw) = 1 - tanh^2 of the same shape (else None)."""
         G = self.G
-        s = torch.bmm(self.q[:, r0 * G:r1 * G], self.k[:, c0:c1].transpose(1, 2))  # [B*Hkv, n*G, c]
+        s = torch.bmm(self.q[:, r0 * G:r1 * G], self.kt[:, :, c0:c1])  # [B*Hkv, n*G, c]
         dcap = None
-        cap = self.params.softcap
+        cap = self.params.softcap * _LOG2E  # the cap in log2 units: tanh sees the same argument
         if cap > 0:
             t = s.div_(cap).tanh_()
             if softcap_grad:
@@ -200,7 +209,7 @@ class _Tiles:
             if m.dtype == torch.bool:
                 s5.masked_fill_(~m, _NEG_INF)
             else:
-                s5.add_(m)
+                s5.add_(m, alpha=_LOG2E)
         if self.slopes is not None:
             dist = (self.cols[..., c0:c1] - (self.rows[:, :, r0:r1] + self.offset)).abs()  # [1 or B, 1, n, 1, c]
             s5.sub_(self.slopes * dist)
@@ -297,8 +306,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
             m_new = torch.maximum(m, s.amax(dim=-1))
             # A row with nothing visible yet keeps m = -inf; subtracting 0 instead leaves its exp at 0, not NaN.
             m_ref = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-            alpha = (m - m_ref).exp_()
-            p = s.sub_(m_ref.unsqueeze(-1)).exp_()
+            alpha = (m - m_ref).exp2_()
+            p = s.sub_(m_ref.unsqueeze(-1)).exp2_()
             l.mul_(alpha).add_(p.sum(dim=-1))
             if params.has_dropout:
                 p.mul_(t.keep(r0, r1, c0, c1))
@@ -309,7 +318,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
         if params.has_dropout:
             norm.mul_(1.0 - params.dropout_p)
         acc.div_(norm.unsqueeze(-1))
-        lse[:, rows] = m + l.log()
+        lse[:, rows] = (m + l.log2()) * _LN2
     out = _ungroup_rows(o, torch.empty(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device))
     lse_dtype = torch.float64 if t.acc == torch.float64 else torch.float32
     return out, _ungroup_stats(lse, B, Hq, lse_dtype)
@@ -341,7 +350,8 @@ def attention_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
         delta.sub_(_group_stats(dlse, t.Hkv, t.acc))
     # Fully masked rows have every score -inf, so any finite lse gives P = 0 there.
     lse_g = _group_stats(lse, t.Hkv, t.acc)
-    lse_g = lse_g.masked_fill(lse_g == _NEG_INF, 0.0)  # [BH, Sq*G]
+    lse_g = lse_g.masked_fill(lse_g == _NEG_INF, 0.0).mul_(_LOG2E)  # [BH, Sq*G], log2 units like the scores
+    vt = t.v.transpose(1, 2).contiguous()  # [BH, Dv, Sk]: dO V^T reads it faster than a transposed view
     dq = torch.zeros_like(t.q)  # [BH, Sq*G, D]
     dk = torch.zeros_like(t.k)  # [BH, Sk, D]
     dv = torch.zeros_like(t.v)  # [BH, Sk, Dv]
@@ -354,8 +364,8 @@ def attention_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
         lse_b, delta_b = lse_g[:, rows, None], delta[:, rows, None]  # [BH, n*G, 1]
         for c0, c1 in t.key_chunks(r0, r1):
             s, dcap = t.scores(r0, r1, c0, c1, softcap_grad=True)
-            p = s.sub_(lse_b).exp_()  # [BH, n*G, c]
-            dp = torch.bmm(do_b, t.v[:, c0:c1].transpose(1, 2))  # [BH, n*G, c]
+            p = s.sub_(lse_b).exp2_()  # [BH, n*G, c]
+            dp = torch.bmm(do_b, vt[:, :, c0:c1])  # [BH, n*G, c]
             if params.has_dropout:
                 keep = t.keep(r0, r1, c0, c1)
                 dv[:, c0:c1].baddbmm_(torch.mul(p, keep).transpose(1, 2), do_b, alpha=inv_keep)
@@ -373,5 +383,6 @@ def attention_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
             dq_b.baddbmm_(ds, t.k[:, c0:c1])
             dk[:, c0:c1].baddbmm_(ds.transpose(1, 2), q_b)
     dq.mul_(params.scale)
+    dk.mul_(_LN2)  # q was scaled by scale * log2(e); dK wants scale alone
     dq_out = _ungroup_rows(dq, torch.empty_like(q))
     return dq_out, _heads_last(dk, k), _heads_last(dv, v), dmask
