@@ -48,3 +48,34 @@ def test_parse_configs_and_env_file(tmp_path, monkeypatch):
 def test_parse_configs_rejects_bad_keys(key):
     with pytest.raises(ValueError):
         configs.parse_configs({key: {"block_m": 16, "block_n": 16, "num_warps": 1, "num_stages": 1}})
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **kw)` records kw and runs nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append(kw)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_masked_forward_caps_the_key_tile(with_mask, monkeypatch):
+    """128-key tiles with a pipelined mask tile overflow sm_90's shared memory (seen on the
+    H200): a masked call runs with 64-key tiles whatever the table says."""
+    import torch
+
+    from flashforge.ops.params import AttnParams
+    from flashforge.ops.triton import attention as launchers
+    rec = _Recorder()
+    monkeypatch.setattr(launchers, "attn_fwd_kernel", rec)
+    monkeypatch.setattr(launchers, "get_config", lambda *a, **kw: TileConfig(128, 128, 8, 4))
+    monkeypatch.setattr(launchers, "_interpreting", lambda q: False)
+    q = torch.randn(1, 8, 2, 64)
+    k = torch.randn(1, 8, 2, 64)
+    mask = torch.randn(1, 1, 8, 8) if with_mask else None
+    launchers.attention_forward(q, k, k, mask, AttnParams(scale=0.1))
+    kw = rec.calls[0]
+    assert kw["BLOCK_M"] == 128
+    assert (kw["BLOCK_N"], kw["num_stages"]) == ((64, 3) if with_mask else (128, 4))
