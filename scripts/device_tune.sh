@@ -5,7 +5,9 @@
 #   2. the GPU tests (pytest-xdist when present: compiling dominates a cold run),
 #   3. the fwd / fwd+bwd grid against cuDNN with those tiles (FLASHFORGE_TILE_CONFIGS).
 # Every step has a time limit so that the whole call stays under ~9.5 minutes and the
-# summary prints.  FF_TUNE_BUDGET (seconds, default 560) sets the total.
+# summary prints.  FF_TUNE_BUDGET (seconds, default 560) sets the total; FF_SWEEPS ("128:fwd 64:bwd"
+# ...), FF_BENCH_SUITES (default fwd,fwdbwd) and FF_BENCH_SKIP (default flex,flash,efficient:
+# cuDNN only, the fastest to run; set it empty for every peer) pick the work.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
@@ -49,7 +51,7 @@ echo "pytest exit $test_rc after $((SECONDS - t0)) s"
 lim=$(( $(left) - 5 ))
 echo "== bench fwd,fwdbwd vs cuDNN with the tuned tiles (limit ${lim}s)"
 [ -f "$TILES" ] && export FLASHFORGE_TILE_CONFIGS="$TILES"
-timeout -k 5 "$lim" "$PY" benchmarks/attention_bench.py --suite "${FF_BENCH_SUITES:-fwd,fwdbwd}" --skip flex,flash,efficient \
+timeout -k 5 "$lim" "$PY" benchmarks/attention_bench.py --suite "${FF_BENCH_SUITES:-fwd,fwdbwd}" --skip "${FF_BENCH_SKIP-flex,flash,efficient}" \
     --out "$OUT_DIR/bench" --max-seconds $((lim - 30)) > "$OUT_DIR/bench.log" 2>&1
 echo "bench exit $?"
 
