@@ -25,7 +25,7 @@ XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n 12"
 
 TILES="$OUT_DIR/tiles.json"
-for spec in ${FF_SWEEPS:-"128:fwd" "128:bwd" "64:fwd" "64:bwd"}; do
+for spec in ${FF_SWEEPS-"128:fwd" "128:bwd" "64:fwd" "64:bwd"}; do
     set -- ${spec/:/ }
     lim=$(( $(left) - 360 ))
     [ "$lim" -gt 110 ] && lim=110
