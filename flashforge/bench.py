@@ -11,7 +11,8 @@
    on the same inputs, forward and forward+backward.  CUDA: bf16 on PERF.md's standard grid
    (16k tokens, H*D = 2048, D 64/128, S 1k/4k/16k), SDPA's cuDNN backend where it takes the
    case, timed by `triton.testing.do_bench` (median).  CPU: float32, B=1, H=8, D=64,
-   S 512/1024/2048, median wall-clock of a few runs.  Every row also compares our output (and
+   S 512/1024/2048, and one decoding step (1 query, 16k keys), median wall-clock of a few
+   runs.  Every row also compares our output (and
    gradients) with SDPA's, so a fast wrong kernel cannot report a number.
 
 FLOPs follow PERF.md (flash-attn's convention): forward 4*B*H*Sq*Sk*D, halved when causal;
@@ -171,13 +172,23 @@ class BenchCase:
     D: int
     causal: bool
     dtype: str
+    Sq: Optional[int] = None  # queries, when not S (decoding: 1 query against S keys)
+
+    @property
+    def queries(self) -> int:
+        return self.S if self.Sq is None else self.Sq
+
+    @property
+    def modes(self) -> tuple:
+        return ("fwd",) if self.Sq is not None else ("fwd", "fwd+bwd")
 
     @property
     def label(self) -> str:
-        return f"B={self.B} S={self.S} H={self.H} D={self.D}{' causal' if self.causal else ''}"
+        seq = f"S={self.S}" if self.Sq is None else f"Sq={self.Sq} Sk={self.S}"
+        return f"B={self.B} {seq} H={self.H} D={self.D}{' causal' if self.causal else ''}"
 
     def fwd_flops(self) -> float:
-        flops = 4.0 * self.B * self.H * self.S * self.S * self.D
+        flops = 4.0 * self.B * self.H * self.queries * self.S * self.D
         return flops / 2 if self.causal else flops
 
 
@@ -212,7 +223,8 @@ def bench_cases(device: torch.device) -> list[BenchCase]:
         # PERF.md's standard grid: 16k tokens (B = 16384 / S), H * D = 2048
         return [BenchCase(16384 // S, S, 2048 // D, D, causal, "bfloat16")
                 for D in (64, 128) for S in (1024, 4096, 16384) for causal in (False, True)]
-    return [BenchCase(1, S, 8, 64, causal, "float32") for S in (512, 1024, 2048) for causal in (False, True)]
+    return ([BenchCase(1, S, 8, 64, causal, "float32") for S in (512, 1024, 2048) for causal in (False, True)]
+            + [BenchCase(1, 16384, 8, 64, False, "float32", Sq=1)])  # one decoding step
 
 
 def _time_cuda(fn: Callable, grad_to_none) -> float:
@@ -270,10 +282,12 @@ def run_bench(case: BenchCase, device: torch.device) -> list[BenchRow]:
     dtype = getattr(torch, case.dtype)
     g = torch.Generator(device=device).manual_seed(0)
     shape = (case.B, case.S, case.H, case.D)
-    q, k, v, do = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(4))
+    q_shape = (case.B, case.queries, case.H, case.D)
+    q, do = (torch.randn(q_shape, generator=g, device=device, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(2))
     timer = _time_cuda if device.type == "cuda" else _time_cpu
     rows = []
-    for mode in ("fwd", "fwd+bwd"):
+    for mode in case.modes:
         row = BenchRow(case, mode)
         rows.append(row)
         try:
