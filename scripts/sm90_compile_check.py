@@ -54,30 +54,40 @@ def _signature(fn, args, kwargs):
     values = dict(zip(names, args))
     values.update({k: v for k, v in kwargs.items() if k in names})
     options = {k: v for k, v in kwargs.items() if k not in names}
-    sig, consts = {}, {}
+    sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(names):
         v = values[name]
         if fn.params[i].is_constexpr:
             sig[name], consts[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + _DTYPES[v.dtype]
+            aligned = v.data_ptr() % 16 == 0
         elif type(v).__name__ == "TensorDescriptor":
             sig[name] = mangle_type(v)
+            aligned = False
         elif isinstance(v, bool):
             sig[name] = "i1"
+            aligned = False
         elif isinstance(v, int):
             sig[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            aligned = v % 16 == 0
         elif isinstance(v, float):
             sig[name] = "fp32"
+            aligned = False
         else:
             raise TypeError(f"{fn.__name__}: argument {name} of type {type(v).__name__}")
-    return sig, consts, options
+        if not fn.params[i].is_constexpr and aligned and not fn.params[i].do_not_specialize:
+            # what the JIT tells the compiler on a GPU (16-byte aligned pointers, multiples of 16):
+            # without it there is no vectorised or asynchronous (pipelined) load, and the shared
+            # memory and register figures would not be the GPU's
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, options, attrs
 
 
 def compile_all(log):
     seen, failures = set(), []
     for fn, args, kwargs in log:
-        sig, consts, options = _signature(fn, args, kwargs)
+        sig, consts, options, attrs = _signature(fn, args, kwargs)
         key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in consts.items())),
                tuple(sorted(options.items())))
         if key in seen:
@@ -85,7 +95,7 @@ def compile_all(log):
         seen.add(key)
         t0 = time.perf_counter()
         try:
-            kernel = triton.compile(ASTSource(fn, sig, consts), target=TARGET, options=options)
+            kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET, options=options)
             if kernel.metadata.shared > SMEM_LIMIT:  # compiles, but the launch would fail on the GPU
                 raise RuntimeError(f"needs {kernel.metadata.shared} B of shared memory; sm_90 gives a block "
                                    f"at most {SMEM_LIMIT} B")
