@@ -320,17 +320,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{gpu} torch {torch.__version__} triton {env['triton']}")
     results: dict = {}
     summary = []
+    arch = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (9, 0)  # which table is "current"
     if args.configs:
         given = parse_configs(args.configs)
-        all_cands = {kind: [get_config(kind, D, elem, False, causal=args.causal)] + [c for c in given if c != get_config(kind, D, elem, False, causal=args.causal)]
+        all_cands = {kind: [get_config(kind, D, elem, False, causal=args.causal, arch=arch)] + [c for c in given if c != get_config(kind, D, elem, False, causal=args.causal, arch=arch)]
                      for kind in kinds}
     else:
-        all_cands = {kind: candidates(kind, args.quick, get_config(kind, D, elem, False, causal=args.causal)) for kind in kinds}
+        all_cands = {kind: candidates(kind, args.quick, get_config(kind, D, elem, False, causal=args.causal, arch=arch)) for kind in kinds}
     if args.device == "cuda" and args.jobs > 1:
         jobs = [(kind, asdict(c)) for kind in kinds for c in all_cands[kind]]
         warm_cache(jobs, args.jobs, D, S, args.dtype, args.causal)
     for kind in kinds:
-        current = get_config(kind, D, elem, False, causal=args.causal)
+        current = get_config(kind, D, elem, False, causal=args.causal, arch=arch)
         cands = all_cands[kind]
         print(f"{kind}: {len(cands)} candidates (table: {current})", flush=True)
         kind_flops = flops if kind == "fwd" else 2.5 * flops

@@ -33,8 +33,10 @@ from flashforge.ops.rope_torch import RopeParams  # noqa: E402
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
            torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+# shared memory a block may opt into, per compute capability
+SMEM_LIMITS = {90: 232448, 80: 166912, 86: 101376, 89: 101376}
 TARGET = GPUTarget("cuda", 90, 32)
-SMEM_LIMIT = 232448  # H100 / H200: 227 KB of shared memory per block (opt-in maximum)
+SMEM_LIMIT = SMEM_LIMITS[90]
 
 
 class Recorder:
@@ -97,8 +99,8 @@ def compile_all(log):
         try:
             kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET, options=options)
             if kernel.metadata.shared > SMEM_LIMIT:  # compiles, but the launch would fail on the GPU
-                raise RuntimeError(f"needs {kernel.metadata.shared} B of shared memory; sm_90 gives a block "
-                                   f"at most {SMEM_LIMIT} B")
+                raise RuntimeError(f"needs {kernel.metadata.shared} B of shared memory; sm_{TARGET.arch} "
+                                   f"gives a block at most {SMEM_LIMIT} B")
             ptx = kernel.asm["ptx"]
             mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "fma"
             print(f"ok   {fn.__name__:28s} {time.perf_counter() - t0:5.1f}s {mma:5s} "
@@ -113,14 +115,19 @@ def _flags(consts):
     return " ".join(f"{k}={v}" for k, v in consts.items() if v not in (False, None) and not k.startswith("BLOCK"))
 
 
+_KERNELS: dict = {}  # the real kernels, kept across record() calls (one per --arch)
+
+
 def record(quick: bool):
     log = []
     for name in ("attn_fwd_kernel", "attn_fwd_combine_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
                  "attn_bwd_dq_kernel", "attn_bwd_dmask_kernel"):
-        setattr(launchers, name, Recorder(getattr(launchers, name), log))
-    kvcache.kvcache_append_kernel = Recorder(kvcache.kvcache_append_kernel, log)
+        setattr(launchers, name, Recorder(_KERNELS.setdefault(name, getattr(launchers, name)), log))
+    kvcache.kvcache_append_kernel = Recorder(_KERNELS.setdefault("append", kvcache.kvcache_append_kernel), log)
     launchers._interpreting = lambda q: False
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)  # the target, for the TMA path
+    cap = divmod(TARGET.arch, 10)
+    torch.cuda.get_device_capability = lambda device=None: cap  # the target, for the TMA path
+    launchers._arch = lambda q: cap  # and for the tile table
     real_get = configs.get_config
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
 
@@ -184,11 +191,20 @@ def record(quick: bool):
 
 
 def main():
+    global TARGET, SMEM_LIMIT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the common variants")
+    ap.add_argument("--arch", default="90",
+                    help="comma-separated compute capabilities, e.g. 90,80,89 (default 90); each "
+                         "compiles the variants its own tile table produces, against its shared-memory limit")
     args = ap.parse_args()
-    log = record(args.quick)
-    failures = compile_all(log)
+    failures = []
+    for arch in (int(a) for a in args.arch.split(",")):
+        if arch not in SMEM_LIMITS:
+            ap.error(f"--arch {arch}: choose from {sorted(SMEM_LIMITS)}")
+        TARGET, SMEM_LIMIT = GPUTarget("cuda", arch, 32), SMEM_LIMITS[arch]
+        print(f"== sm_{arch} (shared memory limit {SMEM_LIMIT} B)", flush=True)
+        failures += compile_all(record(args.quick))
     print(f"{len(failures)} failed")
     return 1 if failures else 0
 

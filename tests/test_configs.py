@@ -79,3 +79,15 @@ def test_masked_forward_caps_the_key_tile(with_mask, monkeypatch):
     kw = rec.calls[0]
     assert kw["BLOCK_M"] == 128
     assert (kw["BLOCK_N"], kw["num_stages"]) == ((64, 3) if with_mask else (128, 4))
+
+
+def test_other_architectures_get_the_generic_table():
+    for arch in [(8, 0), (8, 9), (10, 0)]:
+        for kind in ("fwd", "bwd_kv", "bwd_q"):
+            assert configs.get_config(kind, 128, 2, False, arch=arch) == configs._GENERIC[(kind, 128, 2)]
+        # no causal entry there: the plain one
+        assert configs.get_config("fwd", 128, 2, False, causal=True, arch=arch) == configs._GENERIC[("fwd", 128, 2)]
+    assert configs.get_config("fwd", 128, 2, False, arch=(9, 0)) == configs._SM90[("fwd", 128, 2)]
+    # every kind, bucket and dtype has a generic entry, and none of them asks for TMA
+    assert {k for k in configs._SM90 if not k[0].endswith("_causal")} == set(configs._GENERIC)
+    assert not any(c.tma or c.ws or c.fused_dq for c in configs._GENERIC.values())

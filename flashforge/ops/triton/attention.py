@@ -6,6 +6,7 @@ is a 4-D view whose size-1 dims broadcast (passed with stride 0).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import replace
 from typing import Optional
@@ -20,6 +21,18 @@ from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bw
 from .attention_fwd import attn_fwd_combine_kernel, attn_fwd_kernel
 from .configs import get_config, head_dim_block
 from .rope import rope_turns
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _arch(q: torch.Tensor) -> tuple[int, int]:
+    """Compute capability of q's GPU (picks the tile table); sm_90 under the interpreter."""
+    if q.device.type != "cuda":
+        return (9, 0)
+    return _device_arch(q.device.index if q.device.index is not None else torch.cuda.current_device())
 
 
 def _interpreting(q: torch.Tensor) -> bool:
@@ -115,7 +128,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     interpret = _interpreting(q)
     o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
-    cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0)
+    cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0, arch=_arch(q))
     if mask is not None and cfg.block_n > 64:
         # the mask tile is pipelined like K and V: 128-key tiles overflow shared memory (sm90)
         cfg = replace(cfg, block_n=64, num_stages=min(cfg.num_stages, 3))
@@ -173,8 +186,8 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     B, max_sq, max_sk = _batch_and_lengths(q, k, params)
     vl = params.is_varlen
     interpret = _interpreting(q)
-    cfg_kv = get_config("bwd_kv", max(D, Dv), q.element_size(), interpret)
-    cfg_q = get_config("bwd_q", max(D, Dv), q.element_size(), interpret)
+    cfg_kv = get_config("bwd_kv", max(D, Dv), q.element_size(), interpret, arch=_arch(q))
+    cfg_q = get_config("bwd_q", max(D, Dv), q.element_size(), interpret, arch=_arch(q))
     if mask is not None:
         # the mask tile is pipelined with the others: three stages of it overflow sm_90's
         # shared memory at D = 128 (dK/dV 64 x 128 and dQ 128 x 64 tiles need ~233 KB)

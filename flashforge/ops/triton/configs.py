@@ -32,10 +32,13 @@ class TileConfig:
     fused_dq: bool = False
 
 
-# (pass, head-dim bucket, bytes per element) -> config, for CUDA GPUs.
+# (pass, head-dim bucket, bytes per element) -> config, one table per GPU architecture.
 # "bwd_kv" walks query tiles (block_m, small) past a resident key tile
-# (block_n, large); "bwd_q" the other way round.
-_TABLE: dict[tuple[str, int, int], TileConfig] = {
+# (block_n, large); "bwd_q" the other way round.  "fwd_causal", where present, serves
+# forward calls with a causal mask.
+#
+# Hopper (sm_90, 227 KB of shared memory per block): measured on the H200.
+_SM90: dict[tuple[str, int, int], TileConfig] = {
     # H200 grid (benchmarks/RESULTS.md, 2026-11-29): without a causal mask the wide tiles win
     # (D = 128: 370-525 TFLOP/s against 342-476 for 128 x 64); with one, the 64-row tiles
     # through TMA (D = 128: 329-530 against 248-509) -- shorter rows balance the triangle.
@@ -60,6 +63,31 @@ _TABLE: dict[tuple[str, int, int], TileConfig] = {
     ("bwd_q", 128, 4): TileConfig(32, 32, 4, 1),
     ("bwd_q", 256, 4): TileConfig(32, 16, 4, 1),
 }
+# Every other GPU: tiles sized for the smallest shared memory of the recent ones (99 KB
+# per block on sm_86 / sm_89; 163 KB on sm_80), checked offline by
+# scripts/sm90_compile_check.py --arch 80,89; not tuned.
+_GENERIC: dict[tuple[str, int, int], TileConfig] = {
+    ("fwd", 64, 2): TileConfig(128, 64, 4, 2),
+    ("fwd", 128, 2): TileConfig(64, 64, 4, 2),
+    ("fwd", 256, 2): TileConfig(64, 32, 4, 1),
+    ("fwd", 64, 4): TileConfig(64, 32, 4, 2),
+    ("fwd", 128, 4): TileConfig(32, 32, 4, 2),
+    ("fwd", 256, 4): TileConfig(32, 16, 4, 1),
+    ("bwd_kv", 64, 2): TileConfig(32, 64, 4, 2),
+    ("bwd_kv", 128, 2): TileConfig(32, 64, 4, 1),
+    ("bwd_kv", 256, 2): TileConfig(16, 32, 4, 1),
+    ("bwd_kv", 64, 4): TileConfig(16, 64, 4, 1),
+    ("bwd_kv", 128, 4): TileConfig(16, 32, 4, 1),
+    ("bwd_kv", 256, 4): TileConfig(16, 16, 4, 1),
+    ("bwd_q", 64, 2): TileConfig(64, 32, 4, 2),
+    ("bwd_q", 128, 2): TileConfig(64, 32, 4, 1),
+    ("bwd_q", 256, 2): TileConfig(32, 16, 4, 1),
+    ("bwd_q", 64, 4): TileConfig(32, 32, 4, 1),
+    ("bwd_q", 128, 4): TileConfig(32, 16, 4, 1),
+    ("bwd_q", 256, 4): TileConfig(16, 16, 4, 1),
+}
+_TABLES: dict[tuple[int, int], dict] = {(9, 0): _SM90}
+_TABLE = _SM90  # the measured table (tests and tools read it)
 _INTERPRETER = TileConfig(16, 16, 1, 1)
 _overrides: dict[tuple[str, int, int], TileConfig] = {}
 ENV_FILE = "FLASHFORGE_TILE_CONFIGS"
@@ -92,17 +120,18 @@ def head_dim_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal: bool = False) -> TileConfig:
-    """The tiles for one kernel.  causal (forward only): a "fwd_causal" entry, where there is
-    one, takes precedence over "fwd" at the same level (set_config, then the
-    $FLASHFORGE_TILE_CONFIGS file, then the table)."""
+def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal: bool = False,
+               arch: tuple[int, int] = (9, 0)) -> TileConfig:
+    """The tiles for one kernel on a GPU of compute capability `arch`.  causal (forward
+    only): a "fwd_causal" entry, where there is one, takes precedence over "fwd" at the
+    same level (set_config, then the $FLASHFORGE_TILE_CONFIGS file, then the arch's table)."""
     if interpret:
         return _INTERPRETER
     bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
     keys = [(kind, bucket, elem_size)]
     if causal and kind == "fwd":
         keys.insert(0, ("fwd_causal", bucket, elem_size))
-    for source in (_overrides, _from_env, _TABLE):
+    for source in (_overrides, _from_env, _TABLES.get(tuple(arch), _GENERIC)):
         for key in keys:
             if key in source:
                 return source[key]
