@@ -18,8 +18,8 @@ dS = P * (dP' - delta) where dP' is dO V^T with the dropout mask applied.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, full_key_range, full_query_range, key_range, load_offset, load_slope, lse_row0,
-                     query_range, score_tile, seq_bounds)
+from .common import (LOG2E, full_key_range, full_query_range, key_range, load_offset, load_slope, load_tile,
+                     lse_row0, query_range, score_tile, seq_bounds)
 from .dropout import dropout_keep
 
 
@@ -123,19 +123,10 @@ def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, m_lo, m_hi, o_n, 
     for m_start in range(m_lo, m_hi, BLOCK_M):
         o_m = m_start + tl.arange(0, BLOCK_M)
         # Q^T [BD, BM], dO^T [BDV, BM]
-        if CHECK:
-            m_qt = (o_m[None, :] < Sq) & (o_d[:, None] < D)
-            m_dot = (o_m[None, :] < Sq) & (o_dv[:, None] < DV)
-        elif EVEN_D:
-            m_qt = None
-            m_dot = None
-        else:
-            m_qt = o_d[:, None] < D
-            m_dot = o_dv[:, None] < DV
-        b_qt = tl.load(p_q + o_m[None, :].to(tl.int64) * stride_qs + o_d[:, None],
-                       mask=m_qt, other=None if m_qt is None else 0.0)
-        b_dot = tl.load(p_do + o_m[None, :].to(tl.int64) * stride_dos + o_dv[:, None],
-                        mask=m_dot, other=None if m_dot is None else 0.0)
+        b_qt = load_tile(p_q + o_m[None, :].to(tl.int64) * stride_qs + o_d[:, None],
+                         o_m[None, :], Sq, o_d[:, None], D, CHECK, EVEN_D)
+        b_dot = load_tile(p_do + o_m[None, :].to(tl.int64) * stride_dos + o_dv[:, None],
+                          o_m[None, :], Sq, o_dv[:, None], DV, CHECK, EVEN_D)
         lse2, delta = _load_row_stats(LSE, DELTA, row0, o_m, Sq)
         # [BN, BM]
         qkt = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)
@@ -268,19 +259,10 @@ def _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, n_lo, n_hi, o_m, o_d, o_dv, b, h
     for n_start in range(n_lo, n_hi, BLOCK_N):
         o_n = n_start + tl.arange(0, BLOCK_N)
         # K^T [BD, BN], V^T [BDV, BN]
-        if CHECK:
-            m_kt = (o_n[None, :] < Sk) & (o_d[:, None] < D)
-            m_vt = (o_n[None, :] < Sk) & (o_dv[:, None] < DV)
-        elif EVEN_D:
-            m_kt = None
-            m_vt = None
-        else:
-            m_kt = o_d[:, None] < D
-            m_vt = o_dv[:, None] < DV
-        b_kt = tl.load(K + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None],
-                       mask=m_kt, other=None if m_kt is None else 0.0)
-        b_vt = tl.load(V + o_n[None, :].to(tl.int64) * stride_vs + o_dv[:, None],
-                       mask=m_vt, other=None if m_vt is None else 0.0)
+        b_kt = load_tile(K + o_n[None, :].to(tl.int64) * stride_ks + o_d[:, None],
+                         o_n[None, :], Sk, o_d[:, None], D, CHECK, EVEN_D)
+        b_vt = load_tile(V + o_n[None, :].to(tl.int64) * stride_vs + o_dv[:, None],
+                         o_n[None, :], Sk, o_dv[:, None], DV, CHECK, EVEN_D)
         # [BM, BN]
         qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
         dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)

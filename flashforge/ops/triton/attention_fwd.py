@@ -6,8 +6,8 @@ constexpr flag of this one kernel.
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, full_key_range, key_range, key_rows, load_offset, load_slope, lse_row0, score_tile,
-                     seq_bounds)
+from .common import (LN2, LOG2E, full_key_range, key_range, key_rows, load_offset, load_slope, load_tile, lse_row0,
+                     score_tile, seq_bounds)
 from .dropout import dropout_keep
 from .rope import rope_cos_sin, rope_partner, rope_rotate
 
@@ -35,21 +35,12 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
     PLAIN: tl.constexpr = SCALE_POS and not (CHECK or HAS_MASK or HAS_SOFTCAP or HAS_ALIBI)
     for n_start in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WS):
         o_n = n_start + tl.arange(0, BLOCK_N)
-        if CHECK:
-            m_kt = (o_n[None, :] < Sk) & (o_d[:, None] < D)
-            m_v = (o_n[:, None] < Sk) & (o_dv[None, :] < DV)
-        elif EVEN_D:
-            m_kt = None
-            m_v = None
-        else:
-            m_kt = o_d[:, None] < D
-            m_v = o_dv[None, :] < DV
         # [BD, BN]
         if USE_TMA:
             b_kt = tl.trans(tl.reshape(K_DESC.load([b, n_start, hk, 0]), [BLOCK_N, BLOCK_D]))
         else:
-            b_kt = tl.load(K + key_rows(o_n, Sk, BT, stride_kp, stride_ks, PAGED, PAGE)[None, :] + o_d[:, None],
-                           mask=m_kt, other=None if m_kt is None else 0.0)
+            b_kt = load_tile(K + key_rows(o_n, Sk, BT, stride_kp, stride_ks, PAGED, PAGE)[None, :] + o_d[:, None],
+                             o_n[None, :], Sk, o_d[:, None], D, CHECK, EVEN_D)
         # [BM, BN]
         qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
         if PLAIN:
@@ -78,8 +69,8 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
             if CHECK:  # rows past this row's keys (a KV cache's unused slots) may hold anything
                 b_v = tl.where(o_n[:, None] < Sk, b_v, 0.0)
         else:
-            b_v = tl.load(V + key_rows(o_n, Sk, BT, stride_vp, stride_vs, PAGED, PAGE)[:, None] + o_dv[None, :],
-                          mask=m_v, other=None if m_v is None else 0.0)
+            b_v = load_tile(V + key_rows(o_n, Sk, BT, stride_vp, stride_vs, PAGED, PAGE)[:, None] + o_dv[None, :],
+                            o_n[:, None], Sk, o_dv[None, :], DV, CHECK, EVEN_D)
         acc = tl.dot(p.to(b_v.dtype), b_v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i

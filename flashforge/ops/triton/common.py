@@ -66,6 +66,22 @@ def score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softca
 
 
 @triton.jit
+def load_tile(ptrs, o_r, n_rows, o_c, n_cols, CHECK: tl.constexpr, FULL: tl.constexpr):
+    """An operand tile whose rows o_r are sequence positions (valid below n_rows) and whose
+    columns o_c are head-dim indices (valid below n_cols); ptrs, o_r and o_c are already
+    broadcast to the tile's shape, in either orientation.  Out-of-range entries read 0.
+    CHECK=False: every row is known to be in range; with FULL as well (the head dim
+    fills its padded width) the load needs no mask at all."""
+    if CHECK:
+        t = tl.load(ptrs, mask=(o_r < n_rows) & (o_c < n_cols), other=0.0)
+    elif FULL:
+        t = tl.load(ptrs)
+    else:
+        t = tl.load(ptrs, mask=o_c < n_cols, other=0.0)
+    return t
+
+
+@triton.jit
 def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr, HAS_SEQLENS_K: tl.constexpr = False):
     """(q_start, Sq_b, k_start, Sk_b): where sequence b's rows start in the packed
     tensors and how many there are.  Dense batches: (0, Sq, 0, Sk); with
