@@ -173,7 +173,6 @@ _WORKER: dict = {}
 def _worker_init(D: int, S: int, dtype_name: str, causal: bool) -> None:
     """A warm-up process: the sweep's inputs, built the same way (same seeds, same shapes,
     so the kernels compiled here are the ones the timing process loads from Triton's cache)."""
-    import flashforge  # noqa: F401
     dtype = DTYPES[dtype_name]
     B, H = shape(D, S)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -19,7 +18,7 @@ from ..params import AttnParams
 from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bwd_dq_kernel,
                             attn_bwd_preprocess_kernel)
 from .attention_fwd import attn_fwd_combine_kernel, attn_fwd_kernel
-from .configs import get_config, head_dim_block
+from .configs import get_config, head_dim_block, with_mask
 from .rope import rope_turns
 
 
@@ -129,9 +128,8 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0, arch=_arch(q))
-    if mask is not None and cfg.block_n > 64:
-        # the mask tile is pipelined like K and V: 128-key tiles overflow shared memory (sm90)
-        cfg = replace(cfg, block_n=64, num_stages=min(cfg.num_stages, 3))
+    if mask is not None:
+        cfg = with_mask("fwd", cfg)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     (offsets, alibi, s_ab, s_ah, cu_q, cu_k, seed_t), scalars, flags = _common_args(q, params)
     splits = max(1, params.num_splits)
@@ -189,10 +187,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     cfg_kv = get_config("bwd_kv", max(D, Dv), q.element_size(), interpret, arch=_arch(q))
     cfg_q = get_config("bwd_q", max(D, Dv), q.element_size(), interpret, arch=_arch(q))
     if mask is not None:
-        # the mask tile is pipelined with the others: three stages of it overflow sm_90's
-        # shared memory at D = 128 (dK/dV 64 x 128 and dQ 128 x 64 tiles need ~233 KB)
-        cfg_kv = replace(cfg_kv, num_stages=min(cfg_kv.num_stages, 2))
-        cfg_q = replace(cfg_q, num_stages=min(cfg_q.num_stages, 2))
+        cfg_kv, cfg_q = with_mask("bwd_kv", cfg_kv), with_mask("bwd_q", cfg_q)
     BD = _padded(D, Dv)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     (offsets, alibi, s_ab, s_ah, cu_q, cu_k, seed_t), scalars, flags = _common_args(q, params)
@@ -222,7 +217,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv), FUSED_DQ=fused,
     )
     if fused:
-        dq = (dq_acc * params.scale).to(q.dtype)
+        dq = dq_acc.mul_(params.scale).to(q.dtype)
     else:
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         attn_bwd_dq_kernel[(triton.cdiv(max_sq, cfg_q.block_m), B * Hq)](
