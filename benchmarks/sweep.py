@@ -314,7 +314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     env = environment(dev, vars(args))
     gpu = env.get("gpu", "cpu")
-    label = f"D{D}_{args.dtype}_{'causal' if args.causal else 'full'}_{args.pass_ if not args.kinds else '+'.join(kinds)}"
+    label = f"D{D}_S{S}_{args.dtype}_{'causal' if args.causal else 'full'}_{args.pass_ if not args.kinds else '+'.join(kinds)}"
     print(f"sweep {label}: B={B} S={S} H={H} D={D} {args.dtype}{' causal' if args.causal else ''}; "
           f"{gpu} torch {torch.__version__} triton {env['triton']}")
     results: dict = {}
@@ -335,7 +335,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{kind}: {len(cands)} candidates (table: {current})", flush=True)
         kind_flops = flops if kind == "fwd" else 2.5 * flops
         results[kind] = sweep_kind(kind, runs, cands, bucket, elem, TOL[dtype], kind_flops, deadline, bench)
-        summary.append(report(kind, results[kind], bucket, elem, args.top))
+        summary.append(report("fwd_causal" if kind == "fwd" and args.causal else kind, results[kind], bucket, elem,
+                              args.top))
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"sweep_{label}.json")
@@ -353,7 +354,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 merged = json.load(f)
         for kd, b in best.items():
             if b is not None:
-                merged[f"{kd}/{bucket}/{elem}"] = b["config"]
+                entry = "fwd_causal" if kd == "fwd" and args.causal else kd  # the table's causal forward key
+                merged[f"{entry}/{bucket}/{elem}"] = b["config"]
         with open(args.write_configs, "w") as f:
             json.dump(merged, f, indent=1)
     print()

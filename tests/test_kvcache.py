@@ -66,8 +66,11 @@ def test_against_reference_and_append(backend, paged, Sq, s_new, kw):
     dev = backend_device(backend)
     q, kc, vc, k_new, v_new, seqlens, table = _setup(dev, Sq=Sq, s_new=s_new, paged=paged)
     kc0, vc0 = kc.clone(), vc.clone()
+    versions = kc._version, vc._version
     o = flashforge.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table,
                                          backend=backend, **kw)
+    if s_new:  # an append is an in-place write: autograd's version counters must see it
+        assert kc._version > versions[0] and vc._version > versions[1]
     # contiguous view of the (pre-append) cache for the reference
     if paged:
         gather = lambda c: c[table.long()].flatten(1, 2)  # noqa: E731
@@ -93,11 +96,13 @@ def test_against_reference_and_append(backend, paged, Sq, s_new, kw):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_split_kv_equals_unsplit(backend):
+@pytest.mark.parametrize("Sq", [1, 3])
+def test_split_kv_equals_unsplit(backend, Sq):
     dev = backend_device(backend)
-    q, kc, vc, k_new, v_new, seqlens, _ = _setup(dev, Sq=1, s_new=1)
+    q, kc, vc, k_new, v_new, seqlens, _ = _setup(dev, Sq=Sq, s_new=Sq)
     outs = []
-    for splits in (1, 2, 5):
+    # 70 splits: more than the merge reads at once (64), and more than there are key tiles (empty splits)
+    for splits in (1, 2, 5, 70):
         kcs, vcs = kc.clone(), vc.clone()
         o, lse = flashforge.attention_with_kvcache(q, kcs, vcs, k_new, v_new, cache_seqlens=seqlens,
                                                    num_splits=splits, return_lse=True, backend=backend)
@@ -160,9 +165,10 @@ def test_decode_step_compiles_fullgraph():
 def test_auto_splits_fills_the_gpu_only_when_needed():
     from flashforge.api.kvcache import auto_splits
     # decode, GQA 32/8: 8 packed programs per sequence
-    assert auto_splits(1, 1, 32, 8, 131072, sms=132) == 33  # two waves of 132 SMs
-    assert auto_splits(1, 1, 32, 8, 4096, sms=132) == 16  # >= 256 keys per split
-    assert auto_splits(1, 16, 32, 8, 131072, sms=132) == 3  # 128 programs: one short wave
+    assert auto_splits(1, 1, 32, 8, 131072, sms=132) == 16  # 8 programs x 16: one wave of 132 SMs
+    assert auto_splits(1, 1, 32, 8, 512, sms=132) == 2  # >= 256 keys per split
+    assert auto_splits(1, 4, 32, 8, 131072, sms=132) == 4  # 32 programs x 4 (x 5 would be two waves)
+    assert auto_splits(1, 16, 32, 8, 131072, sms=132) == 1  # 128 programs: already one wave
     assert auto_splits(1, 32, 32, 8, 131072, sms=132) == 1  # 256 programs: already two waves
     assert auto_splits(1, 128, 32, 8, 131072, sms=132) == 1  # 1024 programs fill the GPU already
     assert auto_splits(512, 2, 32, 32, 131072, sms=132) == 1  # prefill chunk: 4 query blocks x 64 heads

@@ -1,6 +1,7 @@
 """The forward's tensor-descriptor (TMA) loads, opt-in per tile config, give the
 same results as the pointer loads: dense, GQA-packed decoding, a KV cache whose
-unused slots hold NaN, split-KV, a head dim narrower than the tile."""
+unused slots hold NaN, a paged cache (pages of one and two key tiles), split-KV, a head
+dim narrower than the tile."""
 import pytest
 import torch
 
@@ -55,3 +56,28 @@ def test_kvcache_with_nan_in_unused_slots(splits, monkeypatch):
                                                                 backend="triton"), monkeypatch)
     assert not torch.isnan(tma).any()
     torch.testing.assert_close(tma, plain, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("page", [16, 32])
+def test_paged_kvcache_matches_pointer_loads_and_contiguous(page, monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    B, Hq, Hkv, D, S = 2, 4, 2, 32, 64
+    q = torch.randn(B, 2, Hq, D, generator=gen).to(DEV)
+    kc, vc = (torch.randn(B, S, Hkv, D, generator=gen).to(DEV) for _ in range(2))
+    lens = torch.tensor([9, 50], dtype=torch.int32, device=DEV)
+    for c in (kc, vc):
+        c[0, 9:] = float("nan")
+        c[1, 50:] = float("nan")
+    nb = B * S // page
+    perm = torch.randperm(nb, generator=gen).to(DEV)  # pages in shuffled order
+    kp, vp = (torch.empty(nb, page, Hkv, D, device=DEV) for _ in range(2))
+    kp[perm], vp[perm] = kc.reshape(nb, page, Hkv, D), vc.reshape(nb, page, Hkv, D)
+    table = perm.view(B, S // page).to(torch.int32)
+    contiguous = flashforge.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, backend="triton")
+    for splits in (1, 3):
+        plain, tma = _both(lambda: flashforge.attention_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table,
+                                                                    num_splits=splits, backend="triton"),
+                           monkeypatch)
+        assert not torch.isnan(tma).any()
+        torch.testing.assert_close(tma, plain, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(tma, contiguous, rtol=1e-5, atol=1e-6)

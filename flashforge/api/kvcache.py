@@ -28,8 +28,8 @@ class Rope:
 
 def auto_splits(Sq: int, B: int, Hq: int, Hkv: int, capacity: int, sms: int, block_m: int = 128) -> int:
     """Split-KV factor: split the keys when the forward's programs cannot fill ``sms``
-    multiprocessors twice over.  Mirrors the launcher's grid: a GQA group whose rows fit
-    one tile is one program (packed), else one program per (query block, head)."""
+    multiprocessors.  Mirrors the launcher's grid: a GQA group whose rows fit one tile is
+    one program (packed), else one program per (query block, head)."""
     group = Hq // Hkv
     if group > 1 and Sq * group <= block_m:
         programs = B * Hkv
@@ -37,8 +37,10 @@ def auto_splits(Sq: int, B: int, Hq: int, Hkv: int, capacity: int, sms: int, blo
         programs = -(-Sq // block_m) * B * Hq
     if programs >= sms:
         return 1
-    # enough programs for two waves, but keep >= 256 keys per split
-    return max(1, min(-(-2 * sms // programs), capacity // 256, 64))
+    # as many programs as fit one wave, each with >= 256 keys.  H200, B = 1-4 (GQA 32/8,
+    # 4k-128k keys): one full wave beat two (the extra splits only lengthen the merge) and
+    # beat a wave and a bit (9 splits of 32 programs: 2.2 waves, 30% slower than 4)
+    return max(1, min(sms // programs, capacity // 256, 64))
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

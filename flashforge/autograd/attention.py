@@ -15,6 +15,7 @@ import torch
 
 from ..ops.backends import backend_module
 from ..ops.params import AttnParams
+from .dispatch import eager
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -31,14 +32,9 @@ def _params(offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
-@torch.library.custom_op("flashforge::attention_fwd", mutates_args=())
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                  offset_tensor: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                  seed_tensor: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                  cu_seqlens_k: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
-                  offset: int, offset_bottom_right: bool, softcap: float, dropout_p: float, seed: int,
-                  deterministic: bool, allow_tf32: bool, max_seqlen_q: int, max_seqlen_k: int,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_impl(q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale,
+                  window_left, window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic,
+                  allow_tf32, max_seqlen_q, max_seqlen_k, backend):
     B, Sq, Hq, _ = q.shape
     if q.numel() == 0 or k.shape[1] == 0:
         o = torch.zeros(B, Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
@@ -49,6 +45,19 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
     return backend_module("attention", backend).attention_forward(q, k, v, mask, params)
 
 
+@torch.library.custom_op("flashforge::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                  offset_tensor: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                  seed_tensor: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                  cu_seqlens_k: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
+                  offset: int, offset_bottom_right: bool, softcap: float, dropout_p: float, seed: int,
+                  deterministic: bool, allow_tf32: bool, max_seqlen_q: int, max_seqlen_k: int,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_impl(q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale,
+                         window_left, window_right, offset, offset_bottom_right, softcap, dropout_p, seed,
+                         deterministic, allow_tf32, max_seqlen_q, max_seqlen_k, backend)
+
+
 @attention_fwd.register_fake
 def _(q, k, v, mask, *args):
     B, Sq, Hq, _ = q.shape
@@ -56,15 +65,9 @@ def _(q, k, v, mask, *args):
     return o, q.new_empty(B, Hq, Sq, dtype=_lse_dtype(q))
 
 
-@torch.library.custom_op("flashforge::attention_bwd", mutates_args=())
-def attention_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, mask: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor,
-                  offset_tensor: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                  seed_tensor: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-                  cu_seqlens_k: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
-                  offset: int, offset_bottom_right: bool, softcap: float, dropout_p: float, seed: int,
-                  deterministic: bool, allow_tf32: bool, max_seqlen_q: int, max_seqlen_k: int, backend: str,
-                  need_dmask: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_impl(do, dlse, q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q,
+                   cu_seqlens_k, scale, window_left, window_right, offset, offset_bottom_right, softcap, dropout_p,
+                   seed, deterministic, allow_tf32, max_seqlen_q, max_seqlen_k, backend, need_dmask):
     """(dq, dk, dv, dmask); dmask is float32 of the mask's shape, or empty when not asked for."""
     if q.numel() == 0 or k.shape[1] == 0:
         dmask = torch.zeros(mask.shape, dtype=torch.float32, device=q.device) if need_dmask else q.new_empty(0)
@@ -77,6 +80,22 @@ def attention_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tenso
     dq, dk, dv, dmask = backend_module("attention", backend).attention_backward(do, dlse, q, k, v, mask, o, lse, params, need_dmask)
     # outputs of a custom op may not alias its inputs or each other
     return dq, dk, dv, (dmask.float() if dmask is not None else q.new_empty(0))
+
+
+@torch.library.custom_op("flashforge::attention_bwd", mutates_args=())
+def attention_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, mask: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor,
+                  offset_tensor: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                  seed_tensor: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                  cu_seqlens_k: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
+                  offset: int, offset_bottom_right: bool, softcap: float, dropout_p: float, seed: int,
+                  deterministic: bool, allow_tf32: bool, max_seqlen_q: int, max_seqlen_k: int, backend: str,
+                  need_dmask: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dmask); dmask is float32 of the mask's shape, or empty when not asked for."""
+    return _backward_impl(do, dlse, q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q,
+                          cu_seqlens_k, scale, window_left, window_right, offset, offset_bottom_right, softcap,
+                          dropout_p, seed, deterministic, allow_tf32, max_seqlen_q, max_seqlen_k, backend,
+                          need_dmask)
 
 
 @attention_bwd.register_fake
@@ -95,19 +114,38 @@ def _setup_context(ctx, inputs, output):
     ctx.scalars = inputs[_N_TENSORS:]
 
 
-def _backward(ctx, do, dlse):
+def _backward_with(bwd, ctx, do, dlse):
     q, k, v, mask, o, lse, *aux = ctx.saved_tensors
     need_dmask = mask is not None and ctx.needs_input_grad[3]
     if do is None:
         do = torch.zeros_like(o)
     if dlse is not None:
         dlse = dlse.to(lse.dtype).contiguous()
-    dq, dk, dv, dmask = attention_bwd(do, dlse, q, k, v, mask, o, lse, *aux, *ctx.scalars, need_dmask)
+    dq, dk, dv, dmask = bwd(do, dlse, q, k, v, mask, o, lse, *aux, *ctx.scalars, need_dmask)
     return (dq, dk, dv, dmask.to(mask.dtype) if need_dmask else None) + (None,) * (
         _N_TENSORS - 4 + len(ctx.scalars))
 
 
+def _backward(ctx, do, dlse):
+    return _backward_with(attention_bwd, ctx, do, dlse)
+
+
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The same forward and backward as the ops, without their dispatch (see `dispatch.eager`)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        o, lse = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, (o, lse))
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlse):
+        return _backward_with(_backward_impl, ctx, do, dlse)
 
 
 def attention_function(q, k, v, mask, params: AttnParams, backend: str, seed_tensor: Optional[torch.Tensor] = None):
@@ -118,7 +156,11 @@ def attention_function(q, k, v, mask, params: AttnParams, backend: str, seed_ten
     value is read on the host (tracing, CUDA graphs).
     """
     p = params
-    return torch.ops.flashforge.attention_fwd(
-        q, k, v, mask, p.offset_tensor, p.alibi_slopes, seed_tensor, p.cu_seqlens_q, p.cu_seqlens_k, p.scale,
-        p.window_left, p.window_right, p.offset, p.offset_bottom_right, p.softcap, p.dropout_p, p.seed,
-        p.deterministic, p.allow_tf32, p.max_seqlen_q, p.max_seqlen_k, backend)
+    args = (q, k, v, mask, p.offset_tensor, p.alibi_slopes, seed_tensor, p.cu_seqlens_q, p.cu_seqlens_k, p.scale,
+            p.window_left, p.window_right, p.offset, p.offset_bottom_right, p.softcap, p.dropout_p, p.seed,
+            p.deterministic, p.allow_tf32, p.max_seqlen_q, p.max_seqlen_k, backend)
+    if not eager(*args[:_N_TENSORS]):
+        return torch.ops.flashforge.attention_fwd(*args)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:4]):
+        return _EagerAttention.apply(*args)
+    return _forward_impl(*args)

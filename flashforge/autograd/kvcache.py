@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..ops.backends import backend_module
 from ..ops.params import AttnParams
 from ..ops.rope_torch import RopeParams
+from .dispatch import eager
 
 
 def _rope(theta: float, rotary_dim: int, interleaved: bool) -> Optional[RopeParams]:
@@ -60,6 +62,8 @@ def attention_kvcache_function(q, k_cache, v_cache, params: AttnParams, backend:
     """(o, lse) of validated inputs; ``params`` carries seqlens_k, the query offsets, paging
     and the RoPE of q (rotated inside the kernel)."""
     p = params
+    if eager(q, k_cache, v_cache, p.seqlens_k, p.offset_tensor, p.block_table, p.alibi_slopes):
+        return backend_module("attention", backend).attention_forward(q, k_cache, v_cache, None, params)
     return torch.ops.flashforge.attention_kvcache(q, k_cache, v_cache, p.seqlens_k, p.offset_tensor, p.block_table,
                                                   p.alibi_slopes, p.scale, p.window_left, p.window_right, p.softcap,
                                                   p.num_splits, *_rope_args(p.q_rope), backend)
@@ -67,5 +71,10 @@ def attention_kvcache_function(q, k_cache, v_cache, params: AttnParams, backend:
 
 def kvcache_append_function(k_cache, v_cache, k, v, cache_seqlens, block_table, rope: Optional[RopeParams],
                             backend: str) -> None:
+    if eager(k_cache, v_cache, k, v, cache_seqlens, block_table):
+        backend_module("kvcache", backend).append(k_cache, v_cache, k, v, cache_seqlens, block_table, rope)
+        increment_version(k_cache)  # as the op's declared mutation would
+        increment_version(v_cache)
+        return
     torch.ops.flashforge.kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table, *_rope_args(rope),
                                         backend)

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..ops.backends import backend_module
 from ..ops.rope_torch import RopeParams
+from .dispatch import eager
 
 @torch.library.custom_op("flashforge::rope", mutates_args=())
 def rope(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], theta: float,
@@ -56,11 +58,46 @@ def _backward(ctx, dy):
 rope.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _rope_impl(x, pos, position_ids, theta, rotary_dim, interleaved, pos_base, inverse, backend, out=None):
+    params = RopeParams(theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, pos_base=pos_base)
+    if out is not None:
+        return backend_module("rope", backend).rope(x, pos, position_ids, params, out=out)
+    return backend_module("rope", backend).rope(x, pos, position_ids, params, inverse=inverse)
+
+
+class _EagerRope(torch.autograd.Function):
+    """The op's forward and backward without its dispatch (see `dispatch.eager`)."""
+
+    @staticmethod
+    def forward(ctx, x, pos, position_ids, *scalars):
+        _setup_context(ctx, (x, pos, position_ids) + scalars, None)
+        return _rope_impl(x, pos, position_ids, *scalars)
+
+    @staticmethod
+    def backward(ctx, dy):
+        pos, position_ids = ctx.saved_tensors
+        theta, rotary_dim, interleaved, pos_base, inverse, backend = ctx.scalars
+        # the inverse rotation is linear in dy: differentiable again through this Function
+        dx = _EagerRope.apply(dy.contiguous() if dy.stride(-1) != 1 else dy, pos, position_ids, theta, rotary_dim,
+                              interleaved, pos_base, not inverse, backend)
+        return dx, None, None, None, None, None, None, None, None
+
+
 def rope_function(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                   params: RopeParams, backend: str, inplace: bool = False) -> torch.Tensor:
     """Differentiable RoPE on a validated ``x [B, S, H, D]``; ``pos`` int ``[B]`` or None,
     ``position_ids`` int ``[B, S]`` or None.  With ``inplace`` x is overwritten and returned."""
     args = (pos, position_ids, params.theta, params.rotary_dim, params.interleaved, params.pos_base)
+    if eager(x, pos, position_ids):
+        if not inplace:
+            if torch.is_grad_enabled() and x.requires_grad:
+                return _EagerRope.apply(x, *args, False, backend)
+            return _rope_impl(x, *args, False, backend)
+        if torch.is_grad_enabled() and x.requires_grad:
+            return x.copy_(_EagerRope.apply(x, *args, False, backend))
+        _rope_impl(x, *args, False, backend, out=x)
+        increment_version(x)  # as the op's declared mutation would (a kernel write does not)
+        return x
     if not inplace:
         return torch.ops.flashforge.rope(x, *args, False, backend)
     if torch.is_grad_enabled() and x.requires_grad:

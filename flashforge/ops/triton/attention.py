@@ -85,10 +85,13 @@ def _padded(D: int, Dv: int) -> int:
 
 
 def _tma_descriptors(q, k, v, params: AttnParams, cfg, BD: int, interpret: bool):
-    """TensorDescriptors over k, v ``[B, Sk, Hkv, *]`` with ``[1, block_n, 1, BD]`` boxes, or None
-    where the copy engine cannot serve: not asked for, no sm_90, packed or paged layouts,
-    or strides / addresses that are not 16-byte aligned.  (The interpreter emulates them.)"""
-    if not cfg.tma or params.is_varlen or params.block_table is not None:
+    """TensorDescriptors over k, v ``[B, Sk, Hkv, *]`` (or a paged cache's ``[blocks, page, Hkv, *]``)
+    with ``[1, block_n, 1, BD]`` boxes, or None where the copy engine cannot serve: not asked
+    for, no sm_90, packed layouts, pages smaller than (or not a multiple of) the key tile, or
+    strides / addresses that are not 16-byte aligned.  (The interpreter emulates them.)"""
+    if not cfg.tma or params.is_varlen:
+        return None
+    if params.block_table is not None and k.shape[1] % cfg.block_n:
         return None
     if not interpret and torch.cuda.get_device_capability(q.device)[0] < 9:
         return None
@@ -168,12 +171,12 @@ def attention_forward(q, k, v, mask, params: AttnParams):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        bm = 16
-        attn_fwd_combine_kernel[(triton.cdiv(Sq, bm), q.shape[0] * Hq)](
+        attn_fwd_combine_kernel[(Sq, q.shape[0] * Hq)](
             o_out, lse_out, o, lse,
             o_out.stride(0), o_out.stride(1), o_out.stride(2), o_out.stride(3),
             o.stride(0), o.stride(1), o.stride(2),
-            lse_out.stride(0), Hq, Sq, splits, Dv, BLOCK_M=bm, BLOCK_DV=_padded(Dv, Dv),
+            lse_out.stride(0), Hq, Sq, splits, Dv, BLOCK_S=min(64, triton.next_power_of_2(splits)),
+            BLOCK_DV=_padded(Dv, Dv),
         )
     return o, lse
 

@@ -25,8 +25,8 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
                BLOCK_DV: tl.constexpr, SCALE_POS: tl.constexpr = False, WS: tl.constexpr = False):
     """Online-softmax update over the key tiles [n_lo, n_hi).  CHECK=False: the
     tiles are known to be in range and inside the window for every query.
-    USE_TMA: K/V tiles come through tensor descriptors over [B, Sk, Hkv, D] (the
-    copy engine zero-fills past the tensor's end).
+    USE_TMA: K/V tiles come through tensor descriptors over [B, Sk, Hkv, D], or a paged
+    cache's [blocks, PAGE, Hkv, D] (the copy engine zero-fills past the tensor's end).
     SCALE_POS (scale > 0): interior tiles without score modifiers take the row
     max of the raw products and one fused multiply-add per score.
     WS: ask Triton to warp-specialize the loop (producer / consumer warps)."""
@@ -35,9 +35,18 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
     PLAIN: tl.constexpr = SCALE_POS and not (CHECK or HAS_MASK or HAS_SOFTCAP or HAS_ALIBI)
     for n_start in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WS):
         o_n = n_start + tl.arange(0, BLOCK_N)
+        if USE_TMA:
+            # the descriptors' first axis: the batch row, or in a paged cache the page holding
+            # this tile (PAGE is a multiple of BLOCK_N and tiles start at multiples of BLOCK_N)
+            if PAGED:
+                t_row = tl.load(BT + n_start // PAGE)
+                t_key = n_start % PAGE
+            else:
+                t_row = b
+                t_key = n_start
         # [BD, BN]
         if USE_TMA:
-            b_kt = tl.trans(tl.reshape(K_DESC.load([b, n_start, hk, 0]), [BLOCK_N, BLOCK_D]))
+            b_kt = tl.trans(tl.reshape(K_DESC.load([t_row, t_key, hk, 0]), [BLOCK_N, BLOCK_D]))
         else:
             b_kt = load_tile(K + key_rows(o_n, Sk, BT, stride_kp, stride_ks, PAGED, PAGE)[None, :] + o_d[:, None],
                              o_n[None, :], Sk, o_d[:, None], D, CHECK, EVEN_D)
@@ -65,7 +74,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
             p = tl.where(keep, p, 0.0)
         # [BN, BDV]
         if USE_TMA:
-            b_v = tl.reshape(V_DESC.load([b, n_start, hk, 0]), [BLOCK_N, BLOCK_DV])
+            b_v = tl.reshape(V_DESC.load([t_row, t_key, hk, 0]), [BLOCK_N, BLOCK_DV])
             if CHECK:  # rows past this row's keys (a KV cache's unused slots) may hold anything
                 b_v = tl.where(o_n[:, None] < Sk, b_v, 0.0)
         else:
@@ -230,31 +239,38 @@ def attn_fwd_combine_kernel(
     stride_ps, stride_pb, stride_pm, stride_ph,
     stride_ob, stride_om, stride_oh,
     stride_ls, Hq, Sq, num_splits, DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Merge split-KV partials: lse = logsumexp_s lse_s, o = sum_s exp(lse_s - lse) o_s."""
-    pid_m = tl.program_id(0)
+    """Merge split-KV partials of one query row: lse = logsumexp_s lse_s,
+    o = sum_s exp(lse_s - lse) o_s.  The splits are read BLOCK_S at a time as one
+    [BLOCK_S, DV] tile (a decoding step's merge is then one round trip to memory,
+    not one per split)."""
+    m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
-    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_s = tl.arange(0, BLOCK_S)
     o_dv = tl.arange(0, BLOCK_DV)
-    m_row = o_m < Sq
-    p_lse = LSE_PART + tl.cast(bh, tl.int64) * Sq + o_m
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(p_lse + s * stride_ls, mask=m_row, other=float("-inf")))
-    m_shift = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    p_o = O_PART + tl.cast(b, tl.int64) * stride_pb + h * stride_ph + o_m[:, None].to(tl.int64) * stride_pm + o_dv[None, :]
-    for s in range(0, num_splits):
-        w = tl.exp(tl.load(p_lse + s * stride_ls, mask=m_row, other=float("-inf")) - m_shift)  # [BM]
-        l += w
-        acc += w[:, None] * tl.load(p_o + s * stride_ps, mask=m_row[:, None] & (o_dv[None, :] < DV), other=0.0)
+    p_lse = LSE_PART + tl.cast(bh, tl.int64) * Sq + m
+    p_o = O_PART + tl.cast(b, tl.int64) * stride_pb + h * stride_ph + tl.cast(m, tl.int64) * stride_pm + o_dv[None, :]
+    mx = float("-inf")
+    for s0 in range(0, num_splits, BLOCK_S):
+        mx = tl.maximum(mx, tl.max(tl.load(p_lse + (s0 + o_s) * stride_ls, mask=s0 + o_s < num_splits,
+                                           other=float("-inf")), axis=0))
+    m_shift = tl.where(mx == float("-inf"), 0.0, mx)
+    l = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        ok = s0 + o_s < num_splits
+        # empty splits have lse = -inf (weight 0) and wrote o = 0
+        w = tl.exp(tl.load(p_lse + (s0 + o_s) * stride_ls, mask=ok, other=float("-inf")) - m_shift)  # [BS]
+        l += tl.sum(w, axis=0)
+        part = tl.load(p_o + (s0 + o_s)[:, None].to(tl.int64) * stride_ps, mask=ok[:, None] & (o_dv[None, :] < DV),
+                       other=0.0)
+        acc += tl.sum(w[:, None] * part, axis=0)
     empty = l == 0.0
-    acc = acc / tl.where(empty, 1.0, l)[:, None]
+    acc = acc / tl.where(empty, 1.0, l)
     lse = tl.where(empty, float("-inf"), m_shift + tl.log(tl.where(empty, 1.0, l)))
-    tl.store(O + tl.cast(b, tl.int64) * stride_ob + h * stride_oh + o_m[:, None].to(tl.int64) * stride_om + o_dv[None, :],
-             acc.to(O.dtype.element_ty), mask=m_row[:, None] & (o_dv[None, :] < DV))
-    tl.store(LSE + tl.cast(bh, tl.int64) * Sq + o_m, lse, mask=m_row)
+    tl.store(O + tl.cast(b, tl.int64) * stride_ob + h * stride_oh + tl.cast(m, tl.int64) * stride_om + o_dv,
+             acc.to(O.dtype.element_ty), mask=o_dv < DV)
+    tl.store(LSE + tl.cast(bh, tl.int64) * Sq + m, lse)
