@@ -172,3 +172,20 @@ def test_auto_splits_fills_the_gpu_only_when_needed():
     assert auto_splits(1, 32, 32, 8, 131072, sms=132) == 1  # 256 programs: already two waves
     assert auto_splits(1, 128, 32, 8, 131072, sms=132) == 1  # 1024 programs fill the GPU already
     assert auto_splits(512, 2, 32, 32, 131072, sms=132) == 1  # prefill chunk: 4 query blocks x 64 heads
+
+
+@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] == "triton"])
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_paged_with_key_tiles_wider_and_narrower_than_pages(backend, block_n, monkeypatch):
+    """Pages of 16 keys read by 16-key tiles (one block-table entry per tile, read ahead) and
+    by 32-key tiles (a table lookup per key): both equal the contiguous cache."""
+    from flashforge.ops.triton import configs
+    dev = backend_device("triton")
+    q, kc, vc, _, _, seqlens, _ = _setup(dev, Sq=1, s_new=0)
+    qp, kp, vp, _, _, _, table = _setup(dev, Sq=1, s_new=0, paged=True)
+    torch.testing.assert_close(qp, q)
+    want = flashforge.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton")
+    if torch.device(dev).type == "cpu":  # the interpreter's tiles are 16 x 16: widen the keys
+        monkeypatch.setattr(configs, "_INTERPRETER", configs.TileConfig(16, block_n, 1, 1))
+    got = flashforge.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table, backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -14,7 +14,8 @@ import torch
 from . import __doc__ as PACKAGE_DOC
 from .cases import ALL_ORDER, DTYPES, SUITES, build_cases, parse_suites, shrink, trim_flex
 from .plots import _safe_plot
-from .report import _fmt_value, _short_error, environment, format_table, make_row, skipped_row, write_json
+from .report import (_fmt_value, _short_error, environment, format_graph_table, format_table, make_row, skipped_row,
+                     write_json)
 from .runner import Runner, count_timed, timing_plan
 
 
@@ -146,6 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report["seconds"] = round(time.perf_counter() - t_start, 1)
     write_json(combined, report)
     tables = [format_table([r for r in rows if r["suite"] == s], f"{s} {dtype}") for s in suites]
+    tables.append(format_graph_table(rows))
     text = "\n\n".join(t for t in tables if t)
     txt = os.path.join(args.out, f"{tag}.txt")
     with open(txt, "w") as f:

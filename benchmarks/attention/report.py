@@ -168,3 +168,24 @@ def write_json(path: str, report: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(_plain(report), f, indent=1, default=str, allow_nan=False)
     os.replace(tmp, path)
+
+
+def format_graph_table(rows: Sequence[dict]) -> str:
+    """Decode rows timed inside CUDA graphs (``--cudagraph``): kernel throughput without the
+    per-call host work that eager timing includes when the host is slower than the GPU."""
+    rows = [r for r in rows if r["extra"].get("cudagraph_gbps")]
+    if not rows:
+        return ""
+    wname = max(28, max(len(r["name"]) for r in rows))
+    cols = ("cudnn", "flash")
+    head = f"{'case':<{wname}} {'ours eager':>10} {'ours graph':>10}" + "".join(f" {SHORT.get(c, c):>9}" for c in cols)
+    head += f" {'graph ratio':>11}"
+    lines = ["== decode in CUDA graphs (GB/s; ratio = ours / cuDNN, both graphed) ==", head, "-" * len(head)]
+    for r in rows:
+        g = r["extra"]["cudagraph_gbps"]
+        ours = g.get("ours_paged" if r["case"].get("layout") == "paged" else "ours")
+        line = f"{r['name']:<{wname}} {_fmt_value(r['ours'], 'GB/s'):>10} {_fmt_value(ours, 'GB/s'):>10}"
+        line += "".join(f" {_fmt_value(g.get(c), 'GB/s'):>9}" for c in cols)
+        ratio = f"{ours / g['cudnn']:.2f}" if ours and g.get("cudnn") else "-"
+        lines.append(line + f" {ratio:>11}")
+    return "\n".join(lines)
