@@ -143,12 +143,16 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"rope.theta must be > 0, got {theta}")
         rope_params = RopeParams(theta=theta, rotary_dim=rotary_dim, interleaved=rope.style == "interleaved")
 
-    seqlens_k = cache_seqlens + s_new  # [B] int32
-    q_pos = seqlens_k - Sq  # absolute position of query 0
+    seqlens_k = cache_seqlens + s_new if s_new else cache_seqlens  # [B] int32
+    # query 0 of row b sits at seqlens_k[b] - Sq: the Triton kernel aligns its queries
+    # bottom-right against each row's key count itself (no extra kernel in a decoding
+    # step); the PyTorch path takes the positions as a tensor
+    q_pos = None if backend == "triton" else seqlens_k - Sq
     with torch.no_grad():
         if k is not None:  # rotated (if asked) on the way into the cache
             kvcache_append_function(k_cache, v_cache, k, v, cache_seqlens, block_table, rope_params, backend)
         params = AttnParams(scale=scale, window_left=left, window_right=right, offset_tensor=q_pos,
+                            offset_bottom_right=q_pos is None,
                             softcap=softcap, alibi_slopes=_normalise_slopes(alibi_slopes, q, B, Hq),
                             seqlens_k=seqlens_k, block_table=block_table, num_splits=num_splits,
                             q_rope=rope_params)  # q is rotated inside the attention kernel

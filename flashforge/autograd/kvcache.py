@@ -38,11 +38,13 @@ def _(k_cache, v_cache, k, v, cache_seqlens, block_table, rope_theta, rope_dim, 
 
 @torch.library.custom_op("flashforge::attention_kvcache", mutates_args=())
 def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
-                      q_pos: torch.Tensor, block_table: Optional[torch.Tensor],
+                      q_pos: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
                       alibi_slopes: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
                       softcap: float, num_splits: int, rope_theta: float, rope_dim: int, rope_interleaved: bool,
                       backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # q_pos None: queries aligned bottom-right against each row's key count (seqlens_k)
     params = AttnParams(scale=scale, window_left=window_left, window_right=window_right, offset_tensor=q_pos,
+                        offset_bottom_right=q_pos is None,
                         softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, block_table=block_table,
                         num_splits=num_splits, q_rope=_rope(rope_theta, rope_dim, rope_interleaved))
     return backend_module("attention", backend).attention_forward(q, k_cache, v_cache, None, params)
