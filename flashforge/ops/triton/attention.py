@@ -168,6 +168,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
         ROPE_DIM=0 if rope is None else rope.rotary_dim, ROPE_INTERLEAVED=rope is not None and rope.interleaved,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
         SCALE_POS=params.scale > 0, WS=cfg.ws and not interpret,
+        POLY_EXP2=cfg.poly_exp2 if q.element_size() == 2 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

@@ -6,7 +6,7 @@ constexpr flag of this one kernel.
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, full_key_range, key_range, key_rows, load_offset, load_slope, load_tile, lse_row0,
+from .common import (LN2, LOG2E, exp2_split, full_key_range, key_range, key_rows, load_offset, load_slope, load_tile, lse_row0,
                      score_tile, seq_bounds)
 from .dropout import dropout_keep
 from .rope import rope_cos_sin, rope_partner, rope_rotate
@@ -22,14 +22,17 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
                DOT_PRECISION: tl.constexpr,
                D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_DV: tl.constexpr, SCALE_POS: tl.constexpr = False, WS: tl.constexpr = False):
+               BLOCK_DV: tl.constexpr, SCALE_POS: tl.constexpr = False, WS: tl.constexpr = False,
+               POLY_EXP2: tl.constexpr = 0):
     """Online-softmax update over the key tiles [n_lo, n_hi).  CHECK=False: the
     tiles are known to be in range and inside the window for every query.
     USE_TMA: K/V tiles come through tensor descriptors over [B, Sk, Hkv, D], or a paged
     cache's [blocks, PAGE, Hkv, D] (the copy engine zero-fills past the tensor's end).
     SCALE_POS (scale > 0): interior tiles without score modifiers take the row
     max of the raw products and one fused multiply-add per score.
-    WS: ask Triton to warp-specialize the loop (producer / consumer warps)."""
+    WS: ask Triton to warp-specialize the loop (producer / consumer warps).
+    POLY_EXP2 (interior tiles without modifiers): 1 or 2 computes half or all of P's
+    exponentials on the FMA pipes (`exp2_split`), 0 all on MUFU."""
     # head dims that fill their padded width need no column masks on the loads
     EVEN_D: tl.constexpr = (D == BLOCK_D) and (DV == BLOCK_DV)
     PLAIN: tl.constexpr = SCALE_POS and not (CHECK or HAS_MASK or HAS_SOFTCAP or HAS_ALIBI)
@@ -66,7 +69,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
             c = scale * LOG2E
             m_new = tl.maximum(m_i, tl.max(qk, axis=1) * c)
             m_shift = m_new
-            p = tl.exp2(qk * c - m_shift[:, None])
+            p = exp2_split(qk * c - m_shift[:, None], POLY_EXP2, BLOCK_N)
         else:
             s2, _ = score_tile(qk, o_m[:, None], o_n[None, :], b, h, Sq, Sk, off, win_left, win_right, scale,
                                softcap, slope, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
@@ -111,7 +114,7 @@ def attn_fwd_kernel(
     PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, PACK_GQA: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SCALE_POS: tl.constexpr = False, WS: tl.constexpr = False,
+    SCALE_POS: tl.constexpr = False, WS: tl.constexpr = False, POLY_EXP2: tl.constexpr = 0,
 ):
     # Sq, Sk: the lengths of a dense batch; for a packed (varlen) batch, the total
     # rows, with each sequence's bounds read from CU_Q / CU_K (batch strides are 0).
@@ -216,7 +219,8 @@ def attn_fwd_kernel(
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
-                               D, DV, False, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALE_POS, WS)
+                               D, DV, False, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALE_POS, WS,
+                               POLY_EXP2)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, lo, full_lo, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
                                off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,

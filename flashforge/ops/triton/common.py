@@ -82,6 +82,36 @@ def load_tile(ptrs, o_r, n_rows, o_c, n_cols, CHECK: tl.constexpr, FULL: tl.cons
 
 
 @triton.jit
+def exp2_fma(x):
+    """2^x for finite x <= 0 without the special-function unit (MUFU, 16 results a clock
+    per SM on sm_90, against 128 FMAs): x = j + f with j = round(x), f in [-0.5, 0.5]; 2^f
+    by a degree-3 polynomial (relative error < 7.5e-5, under fp16 / bf16 rounding of P);
+    j added to the result's exponent bits.  x is clamped at -125 (2^-125 ~ 2e-38 for 0)."""
+    x = tl.maximum(x, -125.0)
+    t = x + 12582912.0  # 1.5 * 2^23: x rounded to an integer, held in t's low mantissa bits
+    j = t - 12582912.0
+    f = x - j
+    p = 0.99992806 + f * (0.69326097 + f * (0.24261115 + f * 0.05517166))
+    # (bits of t) << 23 keeps exactly j's low 9 bits as an exponent increment (two's complement)
+    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exp2_split(x, POLY: tl.constexpr, BLOCK_N: tl.constexpr):
+    """2^x of a [BM, BN] tile with the work shared between units: POLY = 0 all on MUFU
+    (tl.exp2), 1 every other column through `exp2_fma`, 2 all through `exp2_fma`."""
+    if POLY == 0:
+        y = tl.exp2(x)
+    elif POLY == 2:
+        y = exp2_fma(x)
+    else:
+        a, b = tl.split(tl.reshape(x, [x.shape[0], BLOCK_N // 2, 2]))
+        y = tl.reshape(tl.join(tl.exp2(a), exp2_fma(b)), [x.shape[0], BLOCK_N])
+    return y
+
+
+@triton.jit
 def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr, HAS_SEQLENS_K: tl.constexpr = False):
     """(q_start, Sq_b, k_start, Sk_b): where sequence b's rows start in the packed
     tensors and how many there are.  Dense batches: (0, Sq, 0, Sk); with

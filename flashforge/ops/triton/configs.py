@@ -30,6 +30,9 @@ class TileConfig:
     # bwd_kv only: the dK/dV kernel also accumulates dQ (float32 atomics) and the dQ kernel
     # is skipped; ignored when deterministic=True.  Off until measured.
     fused_dq: bool = False
+    # forward only, 16-bit inputs: compute 1 = half, 2 = all of the interior tiles'
+    # exponentials on the FMA pipes instead of the MUFU unit (common.exp2_split).  Off until measured.
+    poly_exp2: int = 0
 
 
 # (pass, head-dim bucket, bytes per element) -> config, one table per GPU architecture.
