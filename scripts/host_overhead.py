@@ -4,20 +4,10 @@ A diagnostic: each kernel's launch is replaced by a no-op in turn.
     PYTHONPATH=. python scripts/host_overhead.py
 """
 import sys
-import time
 
 import torch
 
-
-def per_call_us(fn, reps=300):
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    dt = (time.perf_counter() - t) / reps * 1e6
-    torch.cuda.synchronize()
-    return dt
+from decode_profile import host_us as per_call_us  # this folder is on sys.path when run as a script
 
 
 def main():

@@ -42,16 +42,20 @@ def test_dense_matches_pointer_loads(kw, shape, monkeypatch):
     torch.testing.assert_close(tma[1], plain[1], rtol=1e-5, atol=1e-6)
 
 
+def _cache_with_nan(gen, lens, Sq=1, Hq=4, Hkv=2, D=32, S=48):
+    """q [2, Sq, Hq, D] and caches [2, S, Hkv, D] holding NaN past each row's length (what an
+    uninitialised cache may hold there), with the lengths as an int32 tensor."""
+    q = torch.randn(len(lens), Sq, Hq, D, generator=gen).to(DEV)
+    kc, vc = (torch.randn(len(lens), S, Hkv, D, generator=gen).to(DEV) for _ in range(2))
+    for c in (kc, vc):
+        for b, n in enumerate(lens):
+            c[b, n:] = float("nan")
+    return q, kc, vc, torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_kvcache_with_nan_in_unused_slots(splits, monkeypatch):
-    gen = torch.Generator().manual_seed(1)
-    B, Hq, Hkv, D, S = 2, 4, 2, 32, 48
-    q = torch.randn(B, 1, Hq, D, generator=gen).to(DEV)
-    kc, vc = (torch.randn(B, S, Hkv, D, generator=gen).to(DEV) for _ in range(2))
-    lens = torch.tensor([7, 30], dtype=torch.int32, device=DEV)
-    for c in (kc, vc):  # what an uninitialised cache may hold past each row's length
-        c[0, 7:] = float("nan")
-        c[1, 30:] = float("nan")
+    q, kc, vc, lens = _cache_with_nan(torch.Generator().manual_seed(1), [7, 30])
     plain, tma = _both(lambda: flashforge.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits,
                                                                 backend="triton"), monkeypatch)
     assert not torch.isnan(tma).any()
@@ -61,13 +65,8 @@ def test_kvcache_with_nan_in_unused_slots(splits, monkeypatch):
 @pytest.mark.parametrize("page", [16, 32])
 def test_paged_kvcache_matches_pointer_loads_and_contiguous(page, monkeypatch):
     gen = torch.Generator().manual_seed(2)
-    B, Hq, Hkv, D, S = 2, 4, 2, 32, 64
-    q = torch.randn(B, 2, Hq, D, generator=gen).to(DEV)
-    kc, vc = (torch.randn(B, S, Hkv, D, generator=gen).to(DEV) for _ in range(2))
-    lens = torch.tensor([9, 50], dtype=torch.int32, device=DEV)
-    for c in (kc, vc):
-        c[0, 9:] = float("nan")
-        c[1, 50:] = float("nan")
+    B, Hkv, D, S = 2, 2, 32, 64
+    q, kc, vc, lens = _cache_with_nan(gen, [9, 50], Sq=2, Hkv=Hkv, D=D, S=S)
     nb = B * S // page
     perm = torch.randperm(nb, generator=gen).to(DEV)  # pages in shuffled order
     kp, vp = (torch.empty(nb, page, Hkv, D, device=DEV) for _ in range(2))
