@@ -17,11 +17,18 @@ from ..ops.backends import backend_module
 from ..ops.rope_torch import RopeParams
 from .dispatch import eager
 
+def _rope_impl(x, pos, position_ids, theta, rotary_dim, interleaved, pos_base, inverse, backend, out=None):
+    """The backend's rotation (into ``out`` when given: the in-place form, never inverse)."""
+    params = RopeParams(theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, pos_base=pos_base)
+    if out is not None:
+        return backend_module("rope", backend).rope(x, pos, position_ids, params, out=out)
+    return backend_module("rope", backend).rope(x, pos, position_ids, params, inverse=inverse)
+
+
 @torch.library.custom_op("flashforge::rope", mutates_args=())
 def rope(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], theta: float,
          rotary_dim: int, interleaved: bool, pos_base: int, inverse: bool, backend: str) -> torch.Tensor:
-    params = RopeParams(theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, pos_base=pos_base)
-    return backend_module("rope", backend).rope(x, pos, position_ids, params, inverse=inverse)
+    return _rope_impl(x, pos, position_ids, theta, rotary_dim, interleaved, pos_base, inverse, backend)
 
 
 @rope.register_fake
@@ -32,8 +39,7 @@ def _(x, pos, position_ids, theta, rotary_dim, interleaved, pos_base, inverse, b
 @torch.library.custom_op("flashforge::rope_", mutates_args=("x",))
 def rope_(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], theta: float,
           rotary_dim: int, interleaved: bool, pos_base: int, backend: str) -> None:
-    params = RopeParams(theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, pos_base=pos_base)
-    backend_module("rope", backend).rope(x, pos, position_ids, params, out=x)
+    _rope_impl(x, pos, position_ids, theta, rotary_dim, interleaved, pos_base, False, backend, out=x)
 
 
 @rope_.register_fake
@@ -47,22 +53,19 @@ def _setup_context(ctx, inputs, output):
     ctx.scalars = inputs[3:]
 
 
-def _backward(ctx, dy):
+def _backward_with(rotate, ctx, dy):
     pos, position_ids = ctx.saved_tensors
     theta, rotary_dim, interleaved, pos_base, inverse, backend = ctx.scalars
-    dx = rope(dy.contiguous() if dy.stride(-1) != 1 else dy, pos, position_ids, theta, rotary_dim, interleaved,
-              pos_base, not inverse, backend)
+    dx = rotate(dy.contiguous() if dy.stride(-1) != 1 else dy, pos, position_ids, theta, rotary_dim, interleaved,
+                pos_base, not inverse, backend)
     return dx, None, None, None, None, None, None, None, None
 
 
+def _backward(ctx, dy):
+    return _backward_with(rope, ctx, dy)
+
+
 rope.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _rope_impl(x, pos, position_ids, theta, rotary_dim, interleaved, pos_base, inverse, backend, out=None):
-    params = RopeParams(theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, pos_base=pos_base)
-    if out is not None:
-        return backend_module("rope", backend).rope(x, pos, position_ids, params, out=out)
-    return backend_module("rope", backend).rope(x, pos, position_ids, params, inverse=inverse)
 
 
 class _EagerRope(torch.autograd.Function):
@@ -75,12 +78,13 @@ class _EagerRope(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        pos, position_ids = ctx.saved_tensors
-        theta, rotary_dim, interleaved, pos_base, inverse, backend = ctx.scalars
         # the inverse rotation is linear in dy: differentiable again through this Function
-        dx = _EagerRope.apply(dy.contiguous() if dy.stride(-1) != 1 else dy, pos, position_ids, theta, rotary_dim,
-                              interleaved, pos_base, not inverse, backend)
-        return dx, None, None, None, None, None, None, None, None
+        return _backward_with(_EagerRope.apply, ctx, dy)
+
+
+def _eager_rope_(x, pos, position_ids, theta, rotary_dim, interleaved, pos_base, backend) -> None:
+    _rope_impl(x, pos, position_ids, theta, rotary_dim, interleaved, pos_base, False, backend, out=x)
+    increment_version(x)  # as the op's declared mutation would (a kernel write does not)
 
 
 def rope_function(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
@@ -89,18 +93,12 @@ def rope_function(x: torch.Tensor, pos: Optional[torch.Tensor], position_ids: Op
     ``position_ids`` int ``[B, S]`` or None.  With ``inplace`` x is overwritten and returned."""
     args = (pos, position_ids, params.theta, params.rotary_dim, params.interleaved, params.pos_base)
     if eager(x, pos, position_ids):
-        if not inplace:
-            if torch.is_grad_enabled() and x.requires_grad:
-                return _EagerRope.apply(x, *args, False, backend)
-            return _rope_impl(x, *args, False, backend)
-        if torch.is_grad_enabled() and x.requires_grad:
-            return x.copy_(_EagerRope.apply(x, *args, False, backend))
-        _rope_impl(x, *args, False, backend, out=x)
-        increment_version(x)  # as the op's declared mutation would (a kernel write does not)
-        return x
+        rotate, rotate_ = _EagerRope.apply, _eager_rope_
+    else:
+        rotate, rotate_ = torch.ops.flashforge.rope, torch.ops.flashforge.rope_
     if not inplace:
-        return torch.ops.flashforge.rope(x, *args, False, backend)
+        return rotate(x, *args, False, backend)
     if torch.is_grad_enabled() and x.requires_grad:
-        return x.copy_(torch.ops.flashforge.rope(x, *args, False, backend))
-    torch.ops.flashforge.rope_(x, *args, backend)
+        return x.copy_(rotate(x, *args, False, backend))
+    rotate_(x, *args, backend)
     return x

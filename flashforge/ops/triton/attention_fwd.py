@@ -6,8 +6,8 @@ constexpr flag of this one kernel.
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, exp2_split, full_key_range, key_range, key_rows, load_offset, load_slope, load_tile, lse_row0,
-                     score_tile, seq_bounds)
+from .common import (LN2, LOG2E, exp2_split, full_key_range, key_range, key_rows, load_offset, load_slope, load_tile,
+                     lse_row0, score_tile, seq_bounds)
 from .dropout import dropout_keep
 from .rope import rope_cos_sin, rope_partner, rope_rotate
 
@@ -50,8 +50,9 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
             t_row = t_next
             t_next = tl.load(BT + (n_start + BLOCK_N) // PAGE, mask=n_start + BLOCK_N < n_hi, other=0)
             t_key = n_start % PAGE
-            k_rows = t_row.to(tl.int64) * stride_kp + (t_key + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_ks
-            v_rows = t_row.to(tl.int64) * stride_vp + (t_key + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_vs
+            in_page = (t_key + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k_rows = t_row.to(tl.int64) * stride_kp + in_page * stride_ks
+            v_rows = t_row.to(tl.int64) * stride_vp + in_page * stride_vs
         else:
             t_row = b
             t_key = n_start
