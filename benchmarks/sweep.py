@@ -87,25 +87,29 @@ def candidates(kind: str, quick: bool = False, current=None) -> list:
 
 def parse_configs(text: str) -> list:
     """"128x128w8s3,64x64w4s3tma,64x128w8s3fdq,128x128w8s3poly1" -> TileConfigs (suffixes tma / ws /
-    fdq (fused dQ) / poly1, poly2 (half or all of the forward's exponentials on the FMA pipes) opt in)."""
+    fdq (fused dQ) / poly1, poly2 (half or all of the forward's exponentials on the FMA pipes) / gluon
+    (the sm_90 Gluon forward) opt in)."""
     import re
     from flashforge.ops.triton.configs import TileConfig
     out = []
     for item in filter(None, (t.strip() for t in text.split(","))):
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)((?:tma|ws|fdq|poly[12])*)", item)
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)((?:tma|ws|fdq|poly[12]|gluon)*)", item)
         if not m:
             raise ValueError(f"--configs: {item!r} is not like 128x64w8s3, 64x64w4s3tma, 128x64w8s3tmaws, "
-                             f"64x128w8s3fdq (fused dQ) or 128x128w8s3poly1 (exp2 on the FMA pipes)")
+                             f"64x128w8s3fdq (fused dQ), 128x128w8s3poly1 (exp2 on the FMA pipes) or "
+                             f"128x128w8s2gluon (the sm_90 Gluon forward)")
         bm, bn, w, st, flags = m.groups()
         poly = re.search(r"poly([12])", flags)
         out.append(TileConfig(int(bm), int(bn), int(w), int(st), tma="tma" in flags, ws="ws" in flags,
-                              fused_dq="fdq" in flags, poly_exp2=int(poly.group(1)) if poly else 0))
+                              fused_dq="fdq" in flags, poly_exp2=int(poly.group(1)) if poly else 0,
+                              gluon="gluon" in flags))
     return out
 
 
 def table_line(kind: str, bucket: int, elem: int, cfg) -> str:
     tma = (", tma=True" if cfg.tma else "") + (", ws=True" if cfg.ws else "") + \
-        (", fused_dq=True" if cfg.fused_dq else "") + (f", poly_exp2={cfg.poly_exp2}" if cfg.poly_exp2 else "")
+        (", fused_dq=True" if cfg.fused_dq else "") + (f", poly_exp2={cfg.poly_exp2}" if cfg.poly_exp2 else "") + \
+        (", gluon=True" if cfg.gluon else "")
     return (f'    ("{kind}", {bucket}, {elem}): TileConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, '
             f'{cfg.num_stages}{tma}),')
 
@@ -164,7 +168,7 @@ def sweep_kind(kind: str, runs: dict, cands: Sequence, bucket: int, elem: int, t
         results.append(res)
         c = cfg
         log(f"  {kind} {c.block_m:>3}x{c.block_n:<3} w{c.num_warps} s{c.num_stages}{' tma' if c.tma else ''}"
-            f"{' ws' if c.ws else ''}{' fused-dq' if c.fused_dq else ''}{f' poly{c.poly_exp2}' if c.poly_exp2 else ''}: "
+            f"{' ws' if c.ws else ''}{' fused-dq' if c.fused_dq else ''}{f' poly{c.poly_exp2}' if c.poly_exp2 else ''}{' gluon' if c.gluon else ''}: "
             + (f"{res['tflops']:.0f} TFLOP/s" if res["ok"] else res["error"]) + f" ({res['seconds']} s)")
     return results
 
@@ -235,7 +239,7 @@ def report(kind: str, results: list, bucket: int, elem: int, top: int) -> str:
         gain = f" ({r['tflops'] / base_tf:.2f}x table)" if base_tf else ""
         lines.append(f"  {c['block_m']:>3} x {c['block_n']:<3} warps {c['num_warps']} stages {c['num_stages']}"
                      f"{' tma' if c.get('tma') else ''}{' ws' if c.get('ws') else ''}"
-                     f"{' fused-dq' if c.get('fused_dq') else ''}{' poly%d' % c['poly_exp2'] if c.get('poly_exp2') else ''}: "
+                     f"{' fused-dq' if c.get('fused_dq') else ''}{' poly%d' % c['poly_exp2'] if c.get('poly_exp2') else ''}{' gluon' if c.get('gluon') else ''}: "
                      f"{r['tflops']:6.0f} TFLOP/s  {r['ms']:.3f} ms{gain}")
     if ok:
         lines.append("  table entry: " + table_line(kind, bucket, elem, TileConfig(**ok[0]["config"])).strip())

@@ -53,9 +53,11 @@ if [ -n "${FF_SKIP_TESTS:-}" ]; then echo "== pytest skipped (FF_SKIP_TESTS)"; t
 echo "== pytest ($XDIST)"
 t0=$SECONDS
 lim=$(( $(left) - 60 )); [ "$lim" -gt "${FF_TEST_LIMIT:-280}" ] && lim="${FF_TEST_LIMIT:-280}"
+# FF_TESTS: the test files to run (default: every file with GPU tests)
 timeout -k 5 "$lim" "$PY" -m pytest -q -p no:cacheprovider $XDIST --junitxml="$OUT_DIR/junit-gpu.xml" \
-    tests/test_gpu.py tests/test_rope.py tests/test_varlen.py tests/test_kvcache.py tests/test_tma.py \
-    tests/test_compile.py tests/test_transformers.py tests/test_attention_torch.py::test_runs_on_cuda_tensors \
+    ${FF_TESTS:-tests/test_gpu.py tests/test_gluon_sm90.py tests/test_rope.py tests/test_varlen.py \
+    tests/test_kvcache.py tests/test_tma.py tests/test_compile.py tests/test_transformers.py \
+    tests/test_dispatch.py tests/test_attention_torch.py::test_runs_on_cuda_tensors} \
     > "$OUT_DIR/pytest.log" 2>&1
 test_rc=$?
 echo "pytest exit $test_rc after $((SECONDS - t0)) s"

@@ -22,9 +22,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from flashforge.ops.gluon import attention as gluon_launcher  # noqa: E402
 from flashforge.ops.params import AttnParams  # noqa: E402
 from flashforge.ops.triton import attention as launchers  # noqa: E402
 from flashforge.ops.triton import configs  # noqa: E402
@@ -56,6 +58,8 @@ def _signature(fn, args, kwargs):
     values = dict(zip(names, args))
     values.update({k: v for k, v in kwargs.items() if k in names})
     options = {k: v for k, v in kwargs.items() if k not in names}
+    if "num_warps" in kwargs:  # a Gluon kernel also reads it as a constexpr argument
+        options["num_warps"] = kwargs["num_warps"]
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(names):
         v = values[name]
@@ -97,7 +101,8 @@ def compile_all(log):
         seen.add(key)
         t0 = time.perf_counter()
         try:
-            kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET, options=options)
+            source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+            kernel = triton.compile(source(fn, sig, consts, attrs), target=TARGET, options=options)
             if kernel.metadata.shared > SMEM_LIMIT:  # compiles, but the launch would fail on the GPU
                 raise RuntimeError(f"needs {kernel.metadata.shared} B of shared memory; sm_{TARGET.arch} "
                                    f"gives a block at most {SMEM_LIMIT} B")
@@ -124,6 +129,9 @@ def record(quick: bool):
                  "attn_bwd_dq_kernel", "attn_bwd_dmask_kernel"):
         setattr(launchers, name, Recorder(_KERNELS.setdefault(name, getattr(launchers, name)), log))
     kvcache.kvcache_append_kernel = Recorder(_KERNELS.setdefault("append", kvcache.kvcache_append_kernel), log)
+    gluon = _KERNELS.setdefault("gluon_fwd", gluon_launcher._kernel())
+    if gluon is not None:
+        gluon_launcher._kernel = lambda: (Recorder(gluon[0], log), *gluon[1:])
     launchers._interpreting = lambda q: False
     cap = divmod(TARGET.arch, 10)
     torch.cuda.get_device_capability = lambda device=None: cap  # the target, for the TMA path
@@ -154,6 +162,13 @@ def record(quick: bool):
     launchers.get_config = lambda kind, d, e, interpret, **kw: replace(real_get(kind, d, e, False, **kw), ws=kind == "fwd",
                                                                  tma=kind == "fwd")
     run(D=128, bwd=False)  # (with a causal mask as well, triton 3.6 fails in its pass manager: not offered)
+    # the sm_90 Gluon forward (opt-in per tile config), plain and causal, D = 64 and 128
+    if TARGET.arch == 90:
+        launchers.get_config = lambda kind, d, e, interpret, **kw: replace(
+            real_get(kind, d, e, False, **kw), block_m=128, block_n=128, num_warps=8, gluon=True)
+        for D in (64, 128):
+            run(D=D, bwd=False)
+            run(D=D, bwd=False, window_right=0, dtype=torch.float16)
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
     run(mask=torch.randn(2, 1, 128, 128), softcap=5.0)
     run(D=128, mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=5)  # the table's widest tiles, masked

@@ -14,6 +14,7 @@ import torch
 import triton
 
 from ..dropout import keep_threshold
+from ..gluon import attention as gluon_attention
 from ..params import AttnParams
 from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bwd_dq_kernel,
                             attn_bwd_preprocess_kernel)
@@ -131,6 +132,8 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0, arch=_arch(q))
+    if cfg.gluon and not interpret and gluon_attention.in_scope(q, k, v, mask, params, cfg, _arch(q)):
+        return gluon_attention.attention_forward(q, k, v, params, cfg)
     if mask is not None:
         cfg = with_mask("fwd", cfg)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)

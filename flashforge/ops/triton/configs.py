@@ -33,6 +33,11 @@ class TileConfig:
     # forward only, 16-bit inputs: compute 1 = half, 2 = all of the interior tiles'
     # exponentials on the FMA pipes instead of the MUFU unit (common.exp2_split).  Off until measured.
     poly_exp2: int = 0
+    # forward only, sm_90: run the Gluon kernel (ops/gluon/attention_fwd_sm90.py, asynchronous
+    # wgmma: a tile's softmax overlaps the tensor cores) with block_m x block_n and num_warps,
+    # where the call is in its scope (dense 16-bit, D = Dv in {64, 128}, no score modifiers);
+    # other calls with this config take the portable kernel with the same tiles
+    gluon: bool = False
 
 
 # (pass, head-dim bucket, bytes per element) -> config, one table per GPU architecture.

@@ -1,0 +1,183 @@
+"""Hopper (sm_90) attention forward in Gluon: the dense 16-bit fast path.
+
+Why a second forward: Triton 3.6 issues each `tl.dot` as a wgmma and waits for
+it at once, so a tile's softmax never overlaps a tensor-core product (checked in
+the PTX, benchmarks/RESULTS.md v0.3.0).  Here the products are issued
+asynchronously and waited for explicitly, FA3's intra-warpgroup pipeline:
+
+    S_j = Q K_j^T            issued
+    O  += P_{j-1} V_{j-1}    issued
+    wait for S_j             (O's product still running)
+    softmax(S_j) -> P_j      overlaps the P V product on the tensor cores
+    wait for O; O *= alpha_j
+
+K and V tiles arrive by TMA into two-slot rings, each refilled as soon as the
+product that read the slot is known to be done.  Each of the two warpgroups
+owns 64 query rows; the hardware interleaves them.
+
+Scope (the launcher checks it; everything else takes the portable kernel):
+bf16/fp16, D = Dv in {64, 128}, dense [B, S, H, D] inputs with 16-byte aligned
+strides, GQA, no mask/bias, no dropout, softcap, ALiBi, window, RoPE, split or
+paged keys; causal with an integer diagonal offset (key j visible from query i
+iff j <= i + offset).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _load_kv(desc, ring, bars, j, b, hk, n_tiles, BLOCK_N: gl.constexpr):
+    # tile j of K or V into slot j % 2; a tile past the end is not fetched
+    slot = j % 2
+    mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=j < n_tiles)
+    tma.async_copy_global_to_shared(desc, [b, j * BLOCK_N, hk, 0], bars.index(slot), ring.index(slot),
+                                    pred=j < n_tiles)
+
+
+@gluon.jit
+def _tile(ring, j, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    # slot j % 2 of a [2, 1, BLOCK_N, 1, D] ring, as the [BLOCK_N, D] matrix the MMA reads
+    return ring.index(j % 2).reshape([BLOCK_N, D])
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
+                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One tile's online-softmax update: (p, alpha, m_new, l_new) in log2 units."""
+    if MASKED:  # keys past Sk (zero-filled by TMA) or past the causal diagonal
+        o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = o_n[None, :] < Sk
+        if CAUSAL:
+            keep = keep & (o_n[None, :] <= o_m[:, None] + offset)
+        s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        m_shift = m_new
+    p = gl.exp2(s * qk_scale - m_shift[:, None])
+    alpha = gl.exp2(m_i - m_shift)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, Hq, Sq, Sk, group, offset,
+                         qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         D: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    n_m = gl.cdiv(Sq, BLOCK_M)
+    pid = gl.program_id(0)
+    if CAUSAL:  # the longest rows first, so the short ones fill the tail of the wave
+        pid = n_m - 1 - pid
+    bh = gl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // group
+    m0 = pid * BLOCK_M
+
+    # one warp per 16 rows: two warpgroups of 64 rows; the MMA's N is the whole tile
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    # key tiles [0, n_tiles); tiles from n_full on need a mask (causal diagonal, or Sk's end)
+    if CAUSAL:
+        n_end = gl.minimum(Sk, m0 + BLOCK_M + offset)
+        n_full = gl.minimum(gl.maximum(m0 + offset + 1, 0) // BLOCK_N, Sk // BLOCK_N)
+    else:
+        n_end = Sk
+        n_full = Sk // BLOCK_N
+    n_tiles = gl.maximum(gl.cdiv(n_end, BLOCK_N), 0)
+
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, m0, h, 0], q_bar, q_smem)
+    for i in gl.static_range(2):
+        _load_kv(k_desc, k_ring, k_bars, i, b, hk, n_tiles, BLOCK_N)
+        _load_kv(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N)
+
+    o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    q = q_smem.reshape([BLOCK_M, D])
+    mbarrier.wait(q_bar, 0)
+
+    if n_tiles > 0:
+        # tile 0: its scores alone, so the loop always has a P to multiply
+        mbarrier.wait(k_bars.index(0), 0)
+        s = warpgroup_mma(q, _tile(k_ring, 0, BLOCK_N, D).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        _load_kv(k_desc, k_ring, k_bars, 2, b, hk, n_tiles, BLOCK_N)
+        if n_full > 0:
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, o_m, Sk, offset, qk_scale, s_layout, False, CAUSAL,
+                                               BLOCK_N)
+        else:
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, o_m, Sk, offset, qk_scale, s_layout, True, CAUSAL,
+                                               BLOCK_N)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+
+        for j in range(1, n_tiles):
+            mbarrier.wait(k_bars.index(j % 2), (j // 2) & 1)
+            s = warpgroup_mma(q, _tile(k_ring, j, BLOCK_N, D).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            mbarrier.wait(v_bars.index((j - 1) % 2), ((j - 1) // 2) & 1)
+            acc = warpgroup_mma(p, _tile(v_ring, j - 1, BLOCK_N, D), acc, is_async=True)
+            # S_j is done (the older group); P_{j-1} V_{j-1} may still run
+            s = warpgroup_mma_wait(1, deps=(s, ))
+            _load_kv(k_desc, k_ring, k_bars, j + 2, b, hk, n_tiles, BLOCK_N)
+            if j < n_full:
+                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
+                                                       False, CAUSAL, BLOCK_N)
+            else:
+                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
+                                                       True, CAUSAL, BLOCK_N)
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            _load_kv(v_desc, v_ring, v_bars, j + 1, b, hk, n_tiles, BLOCK_N)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = gl.convert_layout(p_new.to(dtype), p_layout)
+
+        last = n_tiles - 1
+        mbarrier.wait(v_bars.index(last % 2), (last // 2) & 1)
+        acc = warpgroup_mma(p, _tile(v_ring, last, BLOCK_N, D), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(2):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    # fully masked rows (l = 0): o = 0, lse = -inf
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+    gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + o_m, lse, mask=o_m < Sq)
+    acc = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    # o through shared memory (q's buffer, no longer read) and TMA, which clips rows past Sq
+    q_smem.reshape([BLOCK_M, D]).store(acc.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, m0, h, 0], q_smem)
+    tma.store_wait(0)

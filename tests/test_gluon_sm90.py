@@ -1,0 +1,84 @@
+"""The sm_90 Gluon forward (ops/gluon/attention_fwd_sm90.py) against the float64
+reference on an H100/H200: odd lengths, causal offsets either way (rows with
+nothing visible), GQA, transposed inputs, both 16-bit dtypes and both head dims it
+serves; the backward runs on its o and lse.  Outputs come from poisoned
+allocations (conftest), so unwritten rows fail.  Also: calls outside its scope take
+the portable kernel, and both kernels agree.
+"""
+import pytest
+import torch
+
+import flashforge
+from flashforge.ops.gluon import attention as gluon_attention
+from flashforge.ops.triton import configs
+from helpers import Case, check_case
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not SM90, reason="the Gluon forward is for sm_90 GPUs (H100/H200)")]
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """Forward configs that ask for the Gluon kernel; yields the list of its calls."""
+    for kind in ("fwd", "fwd_causal"):
+        for bucket in (64, 128):
+            configs.set_config(kind, bucket, 2, configs.TileConfig(128, 128, 8, 2, gluon=True))
+    calls = []
+    real = gluon_attention.attention_forward
+
+    def spy(q, k, v, params, cfg):
+        calls.append(tuple(q.shape))
+        return real(q, k, v, params, cfg)
+
+    monkeypatch.setattr(gluon_attention, "attention_forward", spy)
+    yield calls
+    for kind in ("fwd", "fwd_causal"):
+        for bucket in (64, 128):
+            configs.set_config(kind, bucket, 2, None)
+
+
+def case(id, dtype, **kw):
+    return pytest.param(Case(**kw), dtype, id=f"{id}-{str(dtype)[6:]}")
+
+
+CASES = [
+    case("S777-D128", F16, B=2, Sq=777, Sk=777, Hq=4, Hkv=4, D=128),
+    case("S1000-D64-causal-gqa4/2", BF16, B=2, Sq=1000, Sk=1000, Hq=4, Hkv=2, D=64, causal=True),
+    case("S2048-D128-causal-gqa8/2", BF16, B=1, Sq=2048, Sk=2048, Hq=8, Hkv=2, D=128, causal=True),
+    case("Sq300-Sk1000-bottom-right", F16, B=2, Sq=300, Sk=1000, Hq=2, Hkv=1, D=64, causal=True, causal_offset=700),
+    case("Sq700-Sk200-empty-rows", BF16, B=1, Sq=700, Sk=200, Hq=2, Hkv=2, D=128, causal=True, causal_offset=-500),
+    case("Sq200-Sk50-one-partial-tile", F16, B=3, Sq=200, Sk=50, Hq=2, Hkv=1, D=128),
+    case("Sq64-Sk1", BF16, B=2, Sq=64, Sk=1, Hq=2, Hkv=2, D=64),
+    case("bhsd-D64-causal", BF16, B=2, Sq=513, Sk=513, Hq=4, Hkv=2, D=64, causal=True, layout="bhsd"),
+    case("sharp-softmax", F16, B=1, Sq=384, Sk=640, Hq=2, Hkv=2, D=128, input_scale=4.0),
+]
+
+
+@pytest.mark.parametrize("c, dtype", CASES)
+def test_against_reference(c, dtype, gluon_calls):
+    check_case(c, "triton", device="cuda", dtype=dtype)
+    assert gluon_calls, "the Gluon forward was not used"
+
+
+@pytest.mark.parametrize("kw", [dict(softcap=5.0), dict(window=(64, -1), causal=True), dict(dropout_p=0.1, seed=3)],
+                         ids=["softcap", "window", "dropout"])
+def test_out_of_scope_takes_portable_kernel(kw, gluon_calls):
+    q, k, v = (torch.randn(1, 256, 2, 64, device="cuda", dtype=BF16) for _ in range(3))
+    flashforge.attention(q, k, v, backend="triton", **kw)
+    flashforge.attention(q[:, :8], k, v, backend="triton")  # a short query block: GQA packing's kernel
+    assert not gluon_calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_portable_kernel(causal, gluon_calls):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(2, 1111, 4, 128, device="cuda", dtype=BF16, generator=gen) for _ in range(3))
+    o, lse = flashforge.attention(q, k, v, causal=causal, backend="triton", return_lse=True)
+    assert gluon_calls
+    for kind in ("fwd", "fwd_causal"):
+        configs.set_config(kind, 128, 2, configs.TileConfig(128, 128, 8, 3))
+    o_ref, lse_ref = flashforge.attention(q, k, v, causal=causal, backend="triton", return_lse=True)
+    assert len(gluon_calls) == 1
+    torch.testing.assert_close(o, o_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4)
