@@ -6,6 +6,7 @@ for rows with no visible key), so the backward kernels take them unchanged.
 from __future__ import annotations
 
 import functools
+import os
 import math
 
 import torch
@@ -14,6 +15,7 @@ import triton
 from ..params import AttnParams
 
 _HEAD_DIMS = (64, 128)
+_Q_IN_REGS = os.environ.get("FLASHFORGE_GLUON_Q_REGS", "0") == "1"  # experiment: q as a register operand
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,5 +75,6 @@ def attention_forward(q, k, v, params: AttnParams, cfg):
     kernel[grid](desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m),
                  lse, lse.stride(0), lse.stride(1), Hq, Sq, Sk, Hq // Hkv, params.offset,
                  params.scale * math.log2(math.e),
-                 CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D, num_warps=cfg.num_warps)
+                 CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages),
+                 Q_IN_REGS=_Q_IN_REGS, num_warps=cfg.num_warps)
     return o, lse

@@ -11,9 +11,12 @@ asynchronously and waited for explicitly, FA3's intra-warpgroup pipeline:
     softmax(S_j) -> P_j      overlaps the P V product on the tensor cores
     wait for O; O *= alpha_j
 
-K and V tiles arrive by TMA into two-slot rings, each refilled as soon as the
-product that read the slot is known to be done.  Each of the two warpgroups
-owns 64 query rows; the hardware interleaves them.
+K and V tiles arrive by TMA into rings of STAGES slots, each refilled as soon
+as the product that read the slot is known to be done.  A warpgroup owns 64
+query rows.  With one warpgroup per program (BLOCK_M = 64) two programs share
+an SM and interleave freely; two warpgroups in one program run in step (the
+compiler puts a block-wide barrier before each copy into a slot both read),
+which measured slower (benchmarks/RESULTS.md v0.4.0).
 
 Scope (the launcher checks it; everything else takes the portable kernel):
 bf16/fp16, D = Dv in {64, 128}, dense [B, S, H, D] inputs with 16-byte aligned
@@ -31,18 +34,24 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _load_kv(desc, ring, bars, j, b, hk, n_tiles, BLOCK_N: gl.constexpr):
-    # tile j of K or V into slot j % 2; a tile past the end is not fetched
-    slot = j % 2
+def _load_kv(desc, ring, bars, j, b, hk, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    # tile j of K or V into slot j % STAGES; a tile past the end is not fetched
+    slot = j % STAGES
     mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=j < n_tiles)
     tma.async_copy_global_to_shared(desc, [b, j * BLOCK_N, hk, 0], bars.index(slot), ring.index(slot),
                                     pred=j < n_tiles)
 
 
 @gluon.jit
-def _tile(ring, j, BLOCK_N: gl.constexpr, D: gl.constexpr):
-    # slot j % 2 of a [2, 1, BLOCK_N, 1, D] ring, as the [BLOCK_N, D] matrix the MMA reads
-    return ring.index(j % 2).reshape([BLOCK_N, D])
+def _tile(ring, j, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    # slot j % STAGES of a [STAGES, 1, BLOCK_N, 1, D] ring, as the [BLOCK_N, D] matrix the MMA reads
+    return ring.index(j % STAGES).reshape([BLOCK_N, D])
+
+
+@gluon.jit
+def _wait(bars, j, STAGES: gl.constexpr):
+    # tile j's copy has landed (its slot's barrier, in the phase of the slot's (j // STAGES)-th use)
+    mbarrier.wait(bars.index(j % STAGES), (j // STAGES) & 1)
 
 
 @gluon.jit
@@ -70,7 +79,7 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, qk_scale, s_layout: gl.const
 @gluon.jit
 def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, Hq, Sq, Sk, group, offset,
                          qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         D: gl.constexpr, num_warps: gl.constexpr):
+                         D: gl.constexpr, STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     n_m = gl.cdiv(Sq, BLOCK_M)
     pid = gl.program_id(0)
@@ -82,7 +91,7 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
     hk = h // group
     m0 = pid * BLOCK_M
 
-    # one warp per 16 rows: two warpgroups of 64 rows; the MMA's N is the whole tile
+    # one warp per 16 rows (a warpgroup per 64); the MMA's N is the whole tile
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -101,37 +110,41 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
     n_tiles = gl.maximum(gl.cdiv(n_end, BLOCK_N), 0)
 
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    k_ring = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(2):
+    for i in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
     fence_async_shared()
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, m0, h, 0], q_bar, q_smem)
-    for i in gl.static_range(2):
-        _load_kv(k_desc, k_ring, k_bars, i, b, hk, n_tiles, BLOCK_N)
-        _load_kv(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N)
+    for i in gl.static_range(STAGES):
+        _load_kv(k_desc, k_ring, k_bars, i, b, hk, n_tiles, BLOCK_N, STAGES)
+        _load_kv(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N, STAGES)
 
     o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    q = q_smem.reshape([BLOCK_M, D])
     mbarrier.wait(q_bar, 0)
+    if Q_IN_REGS:  # read once: the q k^T products then take only K from shared memory
+        q = q_smem.reshape([BLOCK_M, D]).load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    else:
+        q = q_smem.reshape([BLOCK_M, D])
 
     if n_tiles > 0:
         # tile 0: its scores alone, so the loop always has a P to multiply
-        mbarrier.wait(k_bars.index(0), 0)
-        s = warpgroup_mma(q, _tile(k_ring, 0, BLOCK_N, D).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _wait(k_bars, 0, STAGES)
+        s = warpgroup_mma(q, _tile(k_ring, 0, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        _load_kv(k_desc, k_ring, k_bars, 2, b, hk, n_tiles, BLOCK_N)
+        _load_kv(k_desc, k_ring, k_bars, STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
         if n_full > 0:
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, o_m, Sk, offset, qk_scale, s_layout, False, CAUSAL,
                                                BLOCK_N)
@@ -141,14 +154,14 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
         p = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_tiles):
-            mbarrier.wait(k_bars.index(j % 2), (j // 2) & 1)
-            s = warpgroup_mma(q, _tile(k_ring, j, BLOCK_N, D).permute((1, 0)), s_zero, use_acc=False,
+            _wait(k_bars, j, STAGES)
+            s = warpgroup_mma(q, _tile(k_ring, j, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-            mbarrier.wait(v_bars.index((j - 1) % 2), ((j - 1) // 2) & 1)
-            acc = warpgroup_mma(p, _tile(v_ring, j - 1, BLOCK_N, D), acc, is_async=True)
-            # S_j is done (the older group); P_{j-1} V_{j-1} may still run
+            _wait(v_bars, j - 1, STAGES)
+            acc = warpgroup_mma(p, _tile(v_ring, j - 1, BLOCK_N, D, STAGES), acc, is_async=True)
+            # S_j is done (the older group); P_{j-1} V_{j-1} may still run.  K_j's slot is free.
             s = warpgroup_mma_wait(1, deps=(s, ))
-            _load_kv(k_desc, k_ring, k_bars, j + 2, b, hk, n_tiles, BLOCK_N)
+            _load_kv(k_desc, k_ring, k_bars, j + STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
             if j < n_full:
                 p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
                                                        False, CAUSAL, BLOCK_N)
@@ -156,17 +169,17 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
                 p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
                                                        True, CAUSAL, BLOCK_N)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-            _load_kv(v_desc, v_ring, v_bars, j + 1, b, hk, n_tiles, BLOCK_N)
+            _load_kv(v_desc, v_ring, v_bars, j - 1 + STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p = gl.convert_layout(p_new.to(dtype), p_layout)
 
         last = n_tiles - 1
-        mbarrier.wait(v_bars.index(last % 2), (last // 2) & 1)
-        acc = warpgroup_mma(p, _tile(v_ring, last, BLOCK_N, D), acc, is_async=True)
+        _wait(v_bars, last, STAGES)
+        acc = warpgroup_mma(p, _tile(v_ring, last, BLOCK_N, D, STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
 
     mbarrier.invalidate(q_bar)
-    for i in gl.static_range(2):
+    for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
 
