@@ -88,6 +88,26 @@ def test_other_architectures_get_the_generic_table():
         # no causal entry there: the plain one
         assert configs.get_config("fwd", 128, 2, False, causal=True, arch=arch) == configs._GENERIC[("fwd", 128, 2)]
     assert configs.get_config("fwd", 128, 2, False, arch=(9, 0)) == configs._SM90[("fwd", 128, 2)]
-    # every kind, bucket and dtype has a generic entry, and none of them asks for TMA
-    assert {k for k in configs._SM90 if not k[0].endswith("_causal")} == set(configs._GENERIC)
-    assert not any(c.tma or c.ws or c.fused_dq for c in configs._GENERIC.values())
+    # every kind, bucket and dtype has a generic entry, and none of them asks for TMA or
+    # Gluon (sm_90 only: the Gluon forward has no generic entries)
+    assert ({k for k in configs._SM90 if not k[0].endswith("_causal") and k[0] != "fwd_gluon"}
+            == set(configs._GENERIC))
+    assert not any(c.tma or c.ws or c.fused_dq or c.gluon for c in configs._GENERIC.values())
+    for arch in [(8, 0), (10, 0)]:
+        assert configs.gluon_config(128, 2, False, arch) is None
+
+
+def test_gluon_config_yields_to_forward_overrides():
+    """The table's Gluon entry serves sm_90 until the forward's tiles are overridden (a sweep
+    timing portable candidates); an override with gluon=True is used as it is."""
+    assert configs.gluon_config(128, 2, True, (9, 0)) == configs._SM90[("fwd_gluon_causal", 128, 2)]
+    assert configs.gluon_config(64, 2, False, (9, 0)) == configs._SM90[("fwd_gluon", 64, 2)]
+    assert configs.gluon_config(128, 4, False, (9, 0)) is None  # float32: no entry
+    try:
+        configs.set_config("fwd", 128, 2, configs.TileConfig(64, 64, 4, 2))
+        assert configs.gluon_config(128, 2, False, (9, 0)) is None
+        assert configs.gluon_config(128, 2, True, (9, 0)) is None
+    finally:
+        configs.set_config("fwd", 128, 2, None)
+    assert configs.parse_configs({"fwd_gluon/128/2": {"block_m": 64, "block_n": 64, "num_warps": 4,
+                                                       "num_stages": 2, "gluon": True}})

@@ -19,7 +19,7 @@ from ..params import AttnParams
 from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bwd_dq_kernel,
                             attn_bwd_preprocess_kernel)
 from .attention_fwd import attn_fwd_combine_kernel, attn_fwd_kernel
-from .configs import get_config, head_dim_block, with_mask
+from .configs import get_config, gluon_config, head_dim_block, with_mask
 from .rope import rope_turns
 
 
@@ -132,8 +132,10 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0, arch=_arch(q))
-    if cfg.gluon and not interpret and gluon_attention.in_scope(q, k, v, mask, params, cfg, _arch(q)):
-        return gluon_attention.attention_forward(q, k, v, params, cfg)
+    if not interpret:
+        g_cfg = cfg if cfg.gluon else gluon_config(max(D, Dv), q.element_size(), params.window_right >= 0, _arch(q))
+        if g_cfg is not None and gluon_attention.in_scope(q, k, v, mask, params, g_cfg, _arch(q)):
+            return gluon_attention.attention_forward(q, k, v, params, g_cfg)
     if mask is not None:
         cfg = with_mask("fwd", cfg)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)

@@ -50,10 +50,20 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # H200 grid (benchmarks/RESULTS.md, 2026-11-29): without a causal mask the wide tiles win
     # (D = 128: 370-525 TFLOP/s against 342-476 for 128 x 64); with one, the 64-row tiles
     # through TMA (D = 128: 329-530 against 248-509) -- shorter rows balance the triangle.
+    # These serve the calls outside the Gluon forward's scope (masks, dropout, ...).
     ("fwd", 64, 2): TileConfig(64, 128, 4, 2, tma=True),
     ("fwd", 128, 2): TileConfig(128, 128, 8, 3),
     ("fwd_causal", 64, 2): TileConfig(128, 64, 8, 3),
     ("fwd_causal", 128, 2): TileConfig(64, 64, 4, 3, tma=True),
+    # The Gluon forward (ops/gluon) for the calls in its scope, one warpgroup per program (two
+    # programs per SM), against the portable tiles above; H200, S = 1k / 4k / 16k, TFLOP/s
+    # (benchmarks/RESULTS.md v0.4.0): D = 128: 480 / 544 / 510 against 381 / 493 / 528,
+    # causal 245 / 507 / 569 against 242 / 475 / 545; D = 64 (64 x 128): 449 / 474 / 465
+    # against 361 / 467 / 478, causal (64 x 64) 350 / 435 / 465 against 264 / 370 / 418.
+    ("fwd_gluon", 64, 2): TileConfig(64, 128, 4, 2, gluon=True),
+    ("fwd_gluon", 128, 2): TileConfig(64, 64, 4, 2, gluon=True),
+    ("fwd_gluon_causal", 64, 2): TileConfig(64, 64, 4, 2, gluon=True),
+    ("fwd_gluon_causal", 128, 2): TileConfig(64, 64, 4, 2, gluon=True),
     ("fwd", 256, 2): TileConfig(64, 32, 4, 2),
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
     ("fwd", 128, 4): TileConfig(64, 32, 4, 2),
@@ -97,6 +107,7 @@ _GENERIC: dict[tuple[str, int, int], TileConfig] = {
 _TABLES: dict[tuple[int, int], dict] = {(9, 0): _SM90}
 _TABLE = _SM90  # the measured table (tests and tools read it)
 _INTERPRETER = TileConfig(16, 16, 1, 1)
+KINDS = ("fwd", "fwd_causal", "fwd_gluon", "fwd_gluon_causal", "bwd_kv", "bwd_q")
 _overrides: dict[tuple[str, int, int], TileConfig] = {}
 ENV_FILE = "FLASHFORGE_TILE_CONFIGS"
 
@@ -106,8 +117,8 @@ def parse_configs(data: dict) -> dict[tuple[str, int, int], TileConfig]:
     out = {}
     for key, fields in data.items():
         parts = str(key).split("/")
-        if len(parts) != 3 or parts[0] not in ("fwd", "fwd_causal", "bwd_kv", "bwd_q"):
-            raise ValueError(f"{ENV_FILE}: key {key!r} is not 'fwd|fwd_causal|bwd_kv|bwd_q/<head-dim bucket>/<bytes>'")
+        if len(parts) != 3 or parts[0] not in KINDS:
+            raise ValueError(f"{ENV_FILE}: key {key!r} is not '{'|'.join(KINDS)}/<head-dim bucket>/<bytes>'")
         out[(parts[0], int(parts[1]), int(parts[2]))] = TileConfig(**fields)
     return out
 
@@ -144,6 +155,22 @@ def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal
             if key in source:
                 return source[key]
     raise KeyError(keys[-1])
+
+
+def gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, int]) -> TileConfig | None:
+    """The Gluon forward's tiles ("fwd_gluon[_causal]" entries), or None: where there is no
+    entry, or where the forward's own tiles are overridden (set_config, $FLASHFORGE_TILE_CONFIGS:
+    a sweep or a user chose them, and a "fwd" override with gluon=True asks for Gluon itself)."""
+    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    fwd_keys = [("fwd", bucket, elem_size)] + ([("fwd_causal", bucket, elem_size)] if causal else [])
+    if any(key in source for source in (_overrides, _from_env) for key in fwd_keys):
+        return None
+    keys = ([("fwd_gluon_causal", bucket, elem_size)] if causal else []) + [("fwd_gluon", bucket, elem_size)]
+    for source in (_overrides, _from_env, _TABLES.get(tuple(arch), _GENERIC)):
+        for key in keys:
+            if key in source:
+                return source[key]
+    return None
 
 
 def with_mask(kind: str, cfg: TileConfig) -> TileConfig:
