@@ -15,7 +15,9 @@ import triton
 from ..params import AttnParams
 
 _HEAD_DIMS = (64, 128)
-_Q_IN_REGS = os.environ.get("FLASHFORGE_GLUON_Q_REGS", "0") == "1"  # experiment: q as a register operand
+# q as a register operand instead of shared memory: measured mixed (H200, D = 128: causal
+# 16k 586 against 569 TFLOP/s, plain 4k 504 against 544), so off; kept to re-measure
+_Q_IN_REGS = os.environ.get("FLASHFORGE_GLUON_Q_REGS", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +42,7 @@ def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> b
     """Whether the Gluon forward computes this call: sm_90, dense bf16/fp16 with D = Dv in
     {64, 128}, tensors the copy engine can read, plain or causal scores (an integer offset),
     no mask, bias, dropout, softcap, ALiBi, window, RoPE, KV cache or split keys; and tiles
-    of one warp per 16 query rows (`cfg`)."""
+    of one warp per 16 query rows, and at least `cfg.min_keys` keys."""
     p = params
     if tuple(arch) != (9, 0) or q.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -51,7 +53,9 @@ def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> b
             or p.dropout_p > 0 or p.offset_tensor is not None or p.offset_bottom_right
             or p.window_left >= 0 or p.window_right > 0 or not p.scale > 0):
         return False
-    if q.shape[1] < 64 or cfg.block_m != 16 * cfg.num_warps:  # decoding-sized query blocks: the portable kernel packs GQA groups
+    if q.shape[1] < 64:  # decoding-sized query blocks: the portable kernel packs GQA groups
+        return False
+    if k.shape[1] < cfg.min_keys or cfg.block_m != 16 * cfg.num_warps:
         return False
     return _kernel() is not None and all(_tma_ready(t) for t in (q, k, v))
 
