@@ -79,7 +79,8 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, qk_scale, s_layout: gl.const
 @gluon.jit
 def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, Hq, Sq, Sk, group, offset,
                          qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         D: gl.constexpr, STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr, num_warps: gl.constexpr):
+                         D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
+                         num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     n_m = gl.cdiv(Sq, BLOCK_M)
     pid = gl.program_id(0)
@@ -111,13 +112,14 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
 
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(i), count=1)
+    for i in gl.static_range(V_STAGES):
         mbarrier.init(v_bars.index(i), count=1)
     fence_async_shared()
 
@@ -125,7 +127,8 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
     tma.async_copy_global_to_shared(q_desc, [b, m0, h, 0], q_bar, q_smem)
     for i in gl.static_range(STAGES):
         _load_kv(k_desc, k_ring, k_bars, i, b, hk, n_tiles, BLOCK_N, STAGES)
-        _load_kv(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N, STAGES)
+    for i in gl.static_range(V_STAGES):
+        _load_kv(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N, V_STAGES)
 
     o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -157,8 +160,8 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
             _wait(k_bars, j, STAGES)
             s = warpgroup_mma(q, _tile(k_ring, j, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-            _wait(v_bars, j - 1, STAGES)
-            acc = warpgroup_mma(p, _tile(v_ring, j - 1, BLOCK_N, D, STAGES), acc, is_async=True)
+            _wait(v_bars, j - 1, V_STAGES)
+            acc = warpgroup_mma(p, _tile(v_ring, j - 1, BLOCK_N, D, V_STAGES), acc, is_async=True)
             # S_j is done (the older group); P_{j-1} V_{j-1} may still run.  K_j's slot is free.
             s = warpgroup_mma_wait(1, deps=(s, ))
             _load_kv(k_desc, k_ring, k_bars, j + STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
@@ -169,18 +172,19 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
                 p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
                                                        True, CAUSAL, BLOCK_N)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-            _load_kv(v_desc, v_ring, v_bars, j - 1 + STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
+            _load_kv(v_desc, v_ring, v_bars, j - 1 + V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p = gl.convert_layout(p_new.to(dtype), p_layout)
 
         last = n_tiles - 1
-        _wait(v_bars, last, STAGES)
-        acc = warpgroup_mma(p, _tile(v_ring, last, BLOCK_N, D, STAGES), acc, is_async=True)
+        _wait(v_bars, last, V_STAGES)
+        acc = warpgroup_mma(p, _tile(v_ring, last, BLOCK_N, D, V_STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_bars.index(i))
+    for i in gl.static_range(V_STAGES):
         mbarrier.invalidate(v_bars.index(i))
 
     # fully masked rows (l = 0): o = 0, lse = -inf
