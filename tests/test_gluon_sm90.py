@@ -18,13 +18,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not SM90, reason="the Gluon fo
 F16, BF16 = torch.float16, torch.bfloat16
 
 
-@pytest.fixture(params=[(64, 64, 4), (64, 128, 4), (128, 128, 8)], ids=["64x64", "64x128", "128x128-2wg"])
+@pytest.fixture(params=[(64, 64, 4, 2), (64, 128, 4, 2, 1), (128, 128, 8, 2)], ids=["64x64", "64x128-v1", "128x128-2wg"])
 def gluon_calls(request, monkeypatch):
     """Forward configs that ask for the Gluon kernel (one or two warpgroups per program);
     yields the list of its calls."""
     for kind in ("fwd", "fwd_causal"):
         for bucket in (64, 128):
-            configs.set_config(kind, bucket, 2, configs.TileConfig(*request.param, 2, gluon=True))
+            configs.set_config(kind, bucket, 2, configs.TileConfig(*request.param[:4], gluon=True,
+                                                                 v_stages=request.param[4] if len(request.param) > 4 else 0))
     calls = []
     real = gluon_attention.attention_forward
 

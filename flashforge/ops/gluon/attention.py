@@ -18,9 +18,6 @@ _HEAD_DIMS = (64, 128)
 # q as a register operand instead of shared memory: measured mixed (H200, D = 128: causal
 # 16k 586 against 569 TFLOP/s, plain 4k 504 against 544), so off; kept to re-measure
 _Q_IN_REGS = os.environ.get("FLASHFORGE_GLUON_Q_REGS", "0") == "1"
-# experiment: V's ring depth apart from K's (1 fits 64 x 128 tiles at D = 128 twice per SM);
-# 0 = as K's.  Not measured yet.
-_V_STAGES = int(os.environ.get("FLASHFORGE_GLUON_V_STAGES", "0"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,5 +80,5 @@ def attention_forward(q, k, v, params: AttnParams, cfg):
                  lse, lse.stride(0), lse.stride(1), Hq, Sq, Sk, Hq // Hkv, params.offset,
                  params.scale * math.log2(math.e),
                  CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages),
-                 V_STAGES=_V_STAGES or max(2, cfg.num_stages), Q_IN_REGS=_Q_IN_REGS, num_warps=cfg.num_warps)
+                 V_STAGES=cfg.v_stages or max(2, cfg.num_stages), Q_IN_REGS=_Q_IN_REGS, num_warps=cfg.num_warps)
     return o, lse

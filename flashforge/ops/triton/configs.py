@@ -40,6 +40,9 @@ class TileConfig:
     gluon: bool = False
     # gluon only: serve calls with at least this many keys (the portable kernel below it)
     min_keys: int = 0
+    # gluon only: slots in V's ring (0: num_stages, as K's).  One lets 64 x 128 tiles at
+    # D = 128 (112 KB) run two programs per SM; V's copy then hides behind one tile's q k^T
+    v_stages: int = 0
 
 
 # (pass, head-dim bucket, bytes per element) -> config, one table per GPU architecture.
@@ -63,11 +66,13 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # causal 245 / 507 / 569 against 242 / 475 / 545; D = 64 (64 x 128): 449 / 474 / 465
     # against 361 / 467 / 478, causal (64 x 64) 350 / 435 / 465 against 264 / 370 / 418.
     ("fwd_gluon", 64, 2): TileConfig(64, 128, 4, 2, gluon=True),
-    ("fwd_gluon", 128, 2): TileConfig(64, 64, 4, 2, gluon=True),
+    # D = 128: 64 x 128 tiles with one V slot, measured after the grid run below (sweep, S = 4k
+    # / 16k: 572 / 592 TFLOP/s against 543 / 548 for 64 x 64; causal 530 / 572 against 498 / 536)
+    ("fwd_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, v_stages=1),
     ("fwd_gluon_causal", 64, 2): TileConfig(64, 64, 4, 2, gluon=True),
     # D = 128 causal at S = 1k, in the benchmark: Gluon 263 TFLOP/s against the portable
     # tiles' 329 (short rows: per-program start and finish costs dominate); from 4k it wins
-    ("fwd_gluon_causal", 128, 2): TileConfig(64, 64, 4, 2, gluon=True, min_keys=2048),
+    ("fwd_gluon_causal", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, min_keys=2048, v_stages=1),
     ("fwd", 256, 2): TileConfig(64, 32, 4, 2),
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
     ("fwd", 128, 4): TileConfig(64, 32, 4, 2),
