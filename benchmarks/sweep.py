@@ -88,28 +88,30 @@ def candidates(kind: str, quick: bool = False, current=None) -> list:
 def parse_configs(text: str) -> list:
     """"128x128w8s3,64x64w4s3tma,64x128w8s3fdq,128x128w8s3poly1" -> TileConfigs (suffixes tma / ws /
     fdq (fused dQ) / poly1, poly2 (half or all of the forward's exponentials on the FMA pipes) / gluon
-    (the sm_90 Gluon forward) opt in)."""
+    (the sm_90 Gluon forward; v1..v3: its V ring's slots) opt in)."""
     import re
     from flashforge.ops.triton.configs import TileConfig
     out = []
     for item in filter(None, (t.strip() for t in text.split(","))):
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)((?:tma|ws|fdq|poly[12]|gluon)*)", item)
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)((?:tma|ws|fdq|poly[12]|gluon|v[123])*)", item)
         if not m:
             raise ValueError(f"--configs: {item!r} is not like 128x64w8s3, 64x64w4s3tma, 128x64w8s3tmaws, "
                              f"64x128w8s3fdq (fused dQ), 128x128w8s3poly1 (exp2 on the FMA pipes) or "
                              f"128x128w8s2gluon (the sm_90 Gluon forward)")
         bm, bn, w, st, flags = m.groups()
         poly = re.search(r"poly([12])", flags)
+        vs = re.search(r"v([123])", flags)
         out.append(TileConfig(int(bm), int(bn), int(w), int(st), tma="tma" in flags, ws="ws" in flags,
                               fused_dq="fdq" in flags, poly_exp2=int(poly.group(1)) if poly else 0,
-                              gluon="gluon" in flags))
+                              gluon="gluon" in flags, v_stages=int(vs.group(1)) if vs else 0))
     return out
 
 
 def table_line(kind: str, bucket: int, elem: int, cfg) -> str:
     tma = (", tma=True" if cfg.tma else "") + (", ws=True" if cfg.ws else "") + \
         (", fused_dq=True" if cfg.fused_dq else "") + (f", poly_exp2={cfg.poly_exp2}" if cfg.poly_exp2 else "") + \
-        (", gluon=True" if cfg.gluon else "")
+        (", gluon=True" if cfg.gluon else "") + (f", v_stages={cfg.v_stages}" if cfg.v_stages else "") + \
+        (f", min_keys={cfg.min_keys}" if cfg.min_keys else "")
     return (f'    ("{kind}", {bucket}, {elem}): TileConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, '
             f'{cfg.num_stages}{tma}),')
 
