@@ -6,13 +6,14 @@ for rows with no visible key), so the backward kernels take them unchanged.
 from __future__ import annotations
 
 import functools
-import os
 import math
+import os
 
 import torch
 import triton
 
 from ..params import AttnParams
+from ..tma import tma_ready
 
 _HEAD_DIMS = (64, 128)
 # q as a register operand instead of shared memory: measured mixed (H200, D = 128: causal
@@ -31,11 +32,6 @@ def _kernel():
     except ImportError:
         return None
     return attn_fwd_sm90_kernel, gl, TensorDescriptor
-
-
-def _tma_ready(t: torch.Tensor) -> bool:
-    e = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * e) % 16 == 0 for s in t.stride()[:-1])
 
 
 def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> bool:
@@ -57,7 +53,7 @@ def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> b
         return False
     if k.shape[1] < cfg.min_keys or cfg.block_m != 16 * cfg.num_warps:
         return False
-    return _kernel() is not None and all(_tma_ready(t) for t in (q, k, v))
+    return _kernel() is not None and all(tma_ready(t) for t in (q, k, v))
 
 
 def attention_forward(q, k, v, params: AttnParams, cfg):

@@ -16,6 +16,7 @@ import triton
 from ..dropout import keep_threshold
 from ..gluon import attention as gluon_attention
 from ..params import AttnParams
+from ..tma import tma_ready
 from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bwd_dq_kernel,
                             attn_bwd_preprocess_kernel)
 from .attention_fwd import attn_fwd_combine_kernel, attn_fwd_kernel
@@ -102,8 +103,7 @@ def _tma_descriptors(q, k, v, params: AttnParams, cfg, BD: int, interpret: bool)
         return None
     descs = []
     for t in (k, v):
-        e = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * e) % 16 for s in t.stride()[:-1]):
+        if not tma_ready(t):
             return None
         descs.append(TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()),
                                       block_shape=[1, cfg.block_n, 1, BD]))
@@ -129,13 +129,13 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     B, max_sq, _ = _batch_and_lengths(q, k, params)
     vl, paged = params.is_varlen, params.block_table is not None
     interpret = _interpreting(q)
-    o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0, arch=_arch(q))
     if not interpret:
         g_cfg = cfg if cfg.gluon else gluon_config(max(D, Dv), q.element_size(), params.window_right >= 0, _arch(q))
         if g_cfg is not None and gluon_attention.in_scope(q, k, v, mask, params, g_cfg, _arch(q)):
             return gluon_attention.attention_forward(q, k, v, params, g_cfg)
+    o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     if mask is not None:
         cfg = with_mask("fwd", cfg)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)

@@ -148,6 +148,11 @@ def head_dim_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def _bucket(head_dim: int) -> int:
+    """The table's head-dim bucket: 64, 128 or 256."""
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
 def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal: bool = False,
                arch: tuple[int, int] = (9, 0)) -> TileConfig:
     """The tiles for one kernel on a GPU of compute capability `arch`.  causal (forward
@@ -155,7 +160,7 @@ def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal
     same level (set_config, then the $FLASHFORGE_TILE_CONFIGS file, then the arch's table)."""
     if interpret:
         return _INTERPRETER
-    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    bucket = _bucket(head_dim)
     keys = [(kind, bucket, elem_size)]
     if causal and kind == "fwd":
         keys.insert(0, ("fwd_causal", bucket, elem_size))
@@ -170,7 +175,7 @@ def gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, i
     """The Gluon forward's tiles ("fwd_gluon[_causal]" entries), or None: where there is no
     entry, or where the forward's own tiles are overridden (set_config, $FLASHFORGE_TILE_CONFIGS:
     a sweep or a user chose them, and a "fwd" override with gluon=True asks for Gluon itself)."""
-    bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    bucket = _bucket(head_dim)
     fwd_keys = [("fwd", bucket, elem_size)] + ([("fwd_causal", bucket, elem_size)] if causal else [])
     if any(key in source for source in (_overrides, _from_env) for key in fwd_keys):
         return None
