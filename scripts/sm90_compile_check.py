@@ -132,6 +132,9 @@ def record(quick: bool):
     gluon = _KERNELS.setdefault("gluon_fwd", gluon_launcher._kernel())
     if gluon is not None:
         gluon_launcher._kernel = lambda: (Recorder(gluon[0], log), *gluon[1:])
+    gluon_bwd = _KERNELS.setdefault("gluon_bwd", gluon_launcher._bwd_kernels())
+    if gluon_bwd is not None:
+        gluon_launcher._bwd_kernels = lambda: tuple(Recorder(k, log) for k in gluon_bwd)
     launchers._interpreting = lambda q: False
     cap = divmod(TARGET.arch, 10)
     torch.cuda.get_device_capability = lambda device=None: cap  # the target, for the TMA path
@@ -169,6 +172,15 @@ def record(quick: bool):
         for D in (64, 128):
             run(D=D, bwd=False)
             run(D=D, bwd=False, window_right=0, dtype=torch.float16)
+        # the Gluon backward's variants (the table's own run above): one tile at a time, three-slot
+        # rings, 32-query tiles (dK/dV), 128-key tiles (dQ), a one-slot V ring in the dQ kernel
+        for over in (dict(overlap=False), dict(num_stages=3), dict(block_m=32), dict(block_m=32, num_stages=3),
+                     dict(block_n=128), dict(v_stages=1, num_stages=3)):
+            launchers.get_config = lambda kind, d, e, interpret, over=over, **kw: replace(
+                real_get(kind + "_gluon" if kind.startswith("bwd") else kind, d, e, False, **kw), **over) \
+                if kind.startswith("bwd") else real_get(kind, d, e, False, **kw)
+            for D in (64, 128):
+                run(D=D, window_right=0)
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
     run(mask=torch.randn(2, 1, 128, 128), softcap=5.0)
     run(D=128, mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=5)  # the table's widest tiles, masked

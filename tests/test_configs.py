@@ -90,7 +90,7 @@ def test_other_architectures_get_the_generic_table():
     assert configs.get_config("fwd", 128, 2, False, arch=(9, 0)) == configs._SM90[("fwd", 128, 2)]
     # every kind, bucket and dtype has a generic entry, and none of them asks for TMA or
     # Gluon (sm_90 only: the Gluon forward has no generic entries)
-    assert ({k for k in configs._SM90 if not k[0].endswith("_causal") and k[0] != "fwd_gluon"}
+    assert ({k for k in configs._SM90 if not k[0].endswith("_causal") and not k[0].endswith("_gluon")}
             == set(configs._GENERIC))
     assert not any(c.tma or c.ws or c.fused_dq or c.gluon for c in configs._GENERIC.values())
     for arch in [(8, 0), (10, 0)]:
@@ -109,5 +109,15 @@ def test_gluon_config_yields_to_forward_overrides():
         assert configs.gluon_config(128, 2, True, (9, 0)) is None
     finally:
         configs.set_config("fwd", 128, 2, None)
+    # the backward's Gluon entries, likewise per pass
+    assert configs.gluon_config(128, 2, True, (9, 0), "bwd_kv") == configs._SM90[("bwd_kv_gluon", 128, 2)]
+    assert configs.gluon_config(64, 2, False, (9, 0), "bwd_q") == configs._SM90[("bwd_q_gluon", 64, 2)]
+    assert configs.gluon_config(128, 2, False, (8, 0), "bwd_q") is None
+    try:
+        configs.set_config("bwd_q", 128, 2, configs.TileConfig(64, 64, 4, 2))
+        assert configs.gluon_config(128, 2, False, (9, 0), "bwd_q") is None
+        assert configs.gluon_config(128, 2, False, (9, 0), "bwd_kv") is not None  # the other pass keeps its own
+    finally:
+        configs.set_config("bwd_q", 128, 2, None)
     assert configs.parse_configs({"fwd_gluon/128/2": {"block_m": 64, "block_n": 64, "num_warps": 4,
                                                        "num_stages": 2, "gluon": True}})

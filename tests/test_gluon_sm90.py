@@ -14,7 +14,7 @@ from flashforge.ops.triton import configs
 from helpers import Case, check_case
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not SM90, reason="the Gluon forward is for sm_90 GPUs (H100/H200)")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not SM90, reason="the Gluon kernels are for sm_90 GPUs (H100/H200)")]
 F16, BF16 = torch.float16, torch.bfloat16
 
 
@@ -84,3 +84,84 @@ def test_matches_portable_kernel(causal, gluon_calls):
     assert len(gluon_calls) == 1
     torch.testing.assert_close(o, o_ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4)
+
+
+# The Gluon backward (ops/gluon/attention_bwd_sm90.py): dK/dV and dQ kernels, each with the
+# table's tiles and with the variants the table may pick (one query tile at a time, 3-slot
+# rings, 32-query tiles, 128-key tiles, a one-slot V ring)
+TC = configs.TileConfig
+BWD_VARIANTS = {
+    "table": None,
+    "kv-one-at-a-time-s3+q-128keys": (TC(64, 64, 4, 3, gluon=True, overlap=False), TC(64, 128, 4, 2, gluon=True)),
+    "kv-32q+q-s3-v1": (TC(32, 64, 4, 2, gluon=True), TC(64, 64, 4, 3, gluon=True, v_stages=1)),
+}
+
+
+@pytest.fixture(params=list(BWD_VARIANTS), ids=list(BWD_VARIANTS))
+def gluon_bwd_calls(request, monkeypatch):
+    """Backward configs that ask for the Gluon kernels; yields {kind: calls}."""
+    pair = BWD_VARIANTS[request.param]
+    if pair is not None:
+        for bucket in (64, 128):
+            configs.set_config("bwd_kv", bucket, 2, pair[0])
+            configs.set_config("bwd_q", bucket, 2, pair[1])
+    calls = {"bwd_kv": [], "bwd_q": []}
+    for kind, name in (("bwd_kv", "attention_bwd_dkdv"), ("bwd_q", "attention_bwd_dq")):
+        real = getattr(gluon_attention, name)
+
+        def spy(q, *args, real=real, kind=kind):
+            calls[kind].append(tuple(q.shape))
+            return real(q, *args)
+
+        monkeypatch.setattr(gluon_attention, name, spy)
+    yield calls
+    for bucket in (64, 128):
+        configs.set_config("bwd_kv", bucket, 2, None)
+        configs.set_config("bwd_q", bucket, 2, None)
+
+
+BWD_CASES = [
+    case("S777-D128", F16, B=2, Sq=777, Sk=777, Hq=4, Hkv=4, D=128),
+    case("S1000-D64-causal-gqa4/2", BF16, B=2, Sq=1000, Sk=1000, Hq=4, Hkv=2, D=64, causal=True),
+    case("S640-D128-causal-gqa8/2", BF16, B=1, Sq=640, Sk=640, Hq=8, Hkv=2, D=128, causal=True),
+    case("Sq300-Sk1000-bottom-right", F16, B=2, Sq=300, Sk=1000, Hq=2, Hkv=1, D=64, causal=True, causal_offset=700),
+    case("Sq700-Sk200-empty-rows", BF16, B=1, Sq=700, Sk=200, Hq=2, Hkv=2, D=128, causal=True, causal_offset=-500),
+    case("Sq200-Sk50-one-partial-tile", F16, B=3, Sq=200, Sk=50, Hq=2, Hkv=1, D=128),
+    case("Sq130-Sk1000-offset", BF16, B=1, Sq=130, Sk=1000, Hq=2, Hkv=2, D=64, causal=True, causal_offset=100),
+    case("sharp-softmax", F16, B=1, Sq=384, Sk=640, Hq=2, Hkv=2, D=128, input_scale=4.0),
+]
+
+
+@pytest.mark.parametrize("c, dtype", BWD_CASES)
+def test_backward_against_reference(c, dtype, gluon_bwd_calls):
+    check_case(c, "triton", device="cuda", dtype=dtype)
+    assert gluon_bwd_calls["bwd_kv"] and gluon_bwd_calls["bwd_q"], "the Gluon backward was not used"
+
+
+def test_backward_out_of_scope_takes_portable_kernels(gluon_bwd_calls):
+    q, k, v = (torch.randn(1, 256, 2, 64, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3))
+    for kw in (dict(softcap=5.0), dict(window=(64, -1), causal=True), dict(dropout_p=0.1, seed=3)):
+        flashforge.attention(q, k, v, backend="triton", **kw).sum().backward()
+    assert not gluon_bwd_calls["bwd_kv"] and not gluon_bwd_calls["bwd_q"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_matches_portable_kernels(causal, gluon_bwd_calls):
+    """Same gradients (to rounding) as the portable backward, and bitwise the same on a rerun."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v, do = (torch.randn(2, 1111, 4, 128, device="cuda", dtype=BF16, generator=gen) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = flashforge.attention(*leaves, causal=causal, backend="triton")
+    g1 = torch.autograd.grad(o, leaves, do, retain_graph=True)
+    g2 = torch.autograd.grad(o, leaves, do, retain_graph=True)
+    assert gluon_bwd_calls["bwd_kv"] and gluon_bwd_calls["bwd_q"]
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    for bucket in (64, 128):
+        configs.set_config("bwd_kv", bucket, 2, configs.TileConfig(64, 128, 8, 2))
+        configs.set_config("bwd_q", bucket, 2, configs.TileConfig(128, 64, 8, 2))
+    n = len(gluon_bwd_calls["bwd_kv"])
+    g_ref = torch.autograd.grad(o, leaves, do)
+    assert len(gluon_bwd_calls["bwd_kv"]) == n
+    for a, b in zip(g1, g_ref):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

@@ -1,7 +1,10 @@
-"""Launcher of the sm_90 Gluon forward (`attention_fwd_sm90`): which calls it serves, and the call.
+"""Launchers of the sm_90 Gluon kernels (`attention_fwd_sm90`, `attention_bwd_sm90`): which
+calls they serve, and the calls.
 
-Its outputs mean what the portable forward's do (o, and lse in natural-log units, -inf
-for rows with no visible key), so the backward kernels take them unchanged.
+Their inputs and outputs mean what the portable kernels' do (o, and lse in natural-log
+units, -inf for rows with no visible key; delta from the portable preprocess kernel), so
+either backward takes either forward's outputs, and each backward kernel (dK/dV, dQ) may be
+Gluon or portable independently.
 """
 from __future__ import annotations
 
@@ -22,6 +25,16 @@ _Q_IN_REGS = os.environ.get("FLASHFORGE_GLUON_Q_REGS", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
+def _bwd_kernels():
+    """(dK/dV kernel, dQ kernel), or None where this Triton has no Gluon for Hopper."""
+    try:
+        from .attention_bwd_sm90 import attn_bwd_dkdv_sm90_kernel, attn_bwd_dq_sm90_kernel
+    except ImportError:
+        return None
+    return attn_bwd_dkdv_sm90_kernel, attn_bwd_dq_sm90_kernel
+
+
+@functools.lru_cache(maxsize=None)
 def _kernel():
     """The kernel, or None where this Triton has no Gluon for Hopper (imported on first use:
     Gluon is experimental, and the portable path must not depend on it)."""
@@ -34,20 +47,26 @@ def _kernel():
     return attn_fwd_sm90_kernel, gl, TensorDescriptor
 
 
-def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> bool:
-    """Whether the Gluon forward computes this call: sm_90, dense bf16/fp16 with D = Dv in
-    {64, 128}, tensors the copy engine can read, plain or causal scores (an integer offset),
-    no mask, bias, dropout, softcap, ALiBi, window, RoPE, KV cache or split keys; and tiles
-    of one warp per 16 query rows, and at least `cfg.min_keys` keys."""
+def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> bool:
+    """sm_90, dense bf16/fp16 with D = Dv in {64, 128}, plain or causal scores (an integer
+    offset): no mask, bias, dropout, softcap, ALiBi, window, RoPE, KV cache or split keys."""
     p = params
     if tuple(arch) != (9, 0) or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if q.shape[3] not in _HEAD_DIMS or v.shape[3] != q.shape[3]:
         return False
-    if (mask is not None or p.is_varlen or p.seqlens_k is not None or p.block_table is not None
-            or p.num_splits > 1 or p.q_rope is not None or p.softcap > 0 or p.alibi_slopes is not None
-            or p.dropout_p > 0 or p.offset_tensor is not None or p.offset_bottom_right
-            or p.window_left >= 0 or p.window_right > 0 or not p.scale > 0):
+    return not (mask is not None or p.is_varlen or p.seqlens_k is not None or p.block_table is not None
+                or p.num_splits > 1 or p.q_rope is not None or p.softcap > 0 or p.alibi_slopes is not None
+                or p.dropout_p > 0 or p.offset_tensor is not None or p.offset_bottom_right
+                or p.window_left >= 0 or p.window_right > 0 or not p.scale > 0)
+
+
+def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> bool:
+    """Whether the Gluon forward computes this call: sm_90, dense bf16/fp16 with D = Dv in
+    {64, 128}, tensors the copy engine can read, plain or causal scores (an integer offset),
+    no mask, bias, dropout, softcap, ALiBi, window, RoPE, KV cache or split keys; and tiles
+    of one warp per 16 query rows, and at least `cfg.min_keys` keys."""
+    if not _scores_in_scope(q, k, v, mask, params, arch):
         return False
     if q.shape[1] < 64:  # decoding-sized query blocks: the portable kernel packs GQA groups
         return False
@@ -58,18 +77,12 @@ def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> b
 
 def attention_forward(q, k, v, params: AttnParams, cfg):
     """o [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32) for a call `in_scope` accepts."""
-    kernel, gl, TensorDescriptor = _kernel()
+    kernel = _kernel()[0]
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
-    # 4-D boxes [1, rows, 1, D]: the copy engine zero-fills rows past a sequence's end and
-    # clips o's store there, so no tile reads or writes another sequence's rows
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-
-    def desc(t, rows):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, D], layout)
-
+    desc = _descriptor
     causal = params.window_right == 0
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
     kernel[grid](desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m),
@@ -78,3 +91,57 @@ def attention_forward(q, k, v, params: AttnParams, cfg):
                  CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages),
                  V_STAGES=cfg.v_stages or max(2, cfg.num_stages), Q_IN_REGS=_Q_IN_REGS, num_warps=cfg.num_warps)
     return o, lse
+
+
+def bwd_in_scope(kind: str, q, k, v, do, lse, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> bool:
+    """Whether the Gluon backward kernel `kind` ("bwd_kv": dK/dV, "bwd_q": dQ) computes this
+    call's share: the forward's scope (bar the short-query rule: no GQA packing here), dO
+    readable by the copy engine, a dense lse, and one warp per 16 rows of the kernel's
+    resident block (keys for dK/dV, queries for dQ)."""
+    if not _scores_in_scope(q, k, v, mask, params, arch) or not lse.is_contiguous():
+        return False
+    rows = cfg.block_n if kind == "bwd_kv" else cfg.block_m
+    if rows != 16 * cfg.num_warps:
+        return False
+    return _bwd_kernels() is not None and _kernel() is not None and all(tma_ready(t) for t in (q, k, v, do))
+
+
+def _descriptor(t, rows):
+    """A 4-D box [1, rows, 1, D] over [B, S, H, D]: the copy engine zero-fills rows past a
+    sequence's end and clips stores there, so no tile reads or writes another sequence's rows."""
+    _, gl, TensorDescriptor = _kernel()
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[3]], layout)
+
+
+def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg):
+    """dK, dV [B, Sk, Hkv, D] for a call `bwd_in_scope("bwd_kv", ...)` accepts; delta from the
+    portable preprocess kernel."""
+    dkdv, _ = _bwd_kernels()
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    grid = (triton.cdiv(Sk, cfg.block_n), B * Hkv)
+    dkdv[grid](_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+               _descriptor(do, cfg.block_m), _descriptor(dk, cfg.block_n), _descriptor(dv, cfg.block_n),
+               lse, delta, Hq, Sq, Sk, Hq // Hkv, params.offset, params.scale * math.log2(math.e), params.scale,
+               CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
+               STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, num_warps=cfg.num_warps)
+    return dk, dv
+
+
+def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg):
+    """dQ [B, Sq, Hq, D] for a call `bwd_in_scope("bwd_q", ...)` accepts."""
+    _, dq_kernel = _bwd_kernels()
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+    dq_kernel[grid](_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+                    _descriptor(do, cfg.block_m), _descriptor(dq, cfg.block_m),
+                    lse, delta, Hq, Sq, Sk, Hq // Hkv, params.offset, params.scale * math.log2(math.e), params.scale,
+                    CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
+                    STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
+                    num_warps=cfg.num_warps)
+    return dq

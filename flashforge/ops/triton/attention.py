@@ -212,21 +212,37 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         HAS_DLSE=dlse is not None, IS_VARLEN=vl, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
     )
 
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    # the sm_90 Gluon kernels, each where the call is in its scope (either may serve alone)
+    g_kv = g_q = None
+    if not interpret:
+        arch = _arch(q)
+        g_kv = cfg_kv if cfg_kv.gluon else gluon_config(max(D, Dv), q.element_size(), False, arch, "bwd_kv")
+        g_q = cfg_q if cfg_q.gluon else gluon_config(max(D, Dv), q.element_size(), False, arch, "bwd_q")
+        g_kv = g_kv if g_kv is not None and gluon_attention.bwd_in_scope(
+            "bwd_kv", q, k, v, do, lse, mask, params, g_kv, arch) else None
+        g_q = g_q if g_q is not None and gluon_attention.bwd_in_scope(
+            "bwd_q", q, k, v, do, lse, mask, params, g_q, arch) else None
+
     strides_qkvdo = (*_bshd_strides(q, vl), *_bshd_strides(k, vl), *_bshd_strides(v, vl), *_bshd_strides(do, vl))
     # fused: dQ summed by atomics inside the dK/dV kernel (order varies: never when asked
     # to be deterministic); else the dQ kernel recomputes the scores per query block
-    fused = cfg_kv.fused_dq and not params.deterministic
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else q
-    attn_bwd_dkdv_kernel[(triton.cdiv(max_sk, cfg_kv.block_n), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t, dq_acc,
-        *strides_qkvdo, *_bshd_strides(dk, vl), *_bshd_strides(dv, vl), *m_strides, s_ab, s_ah,
-        *_bshd_strides(dq_acc, vl), Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
-        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv), FUSED_DQ=fused,
-    )
+    fused = cfg_kv.fused_dq and not params.deterministic and g_kv is None and g_q is None
+    if g_kv is not None:
+        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv)
+    else:
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else q
+        attn_bwd_dkdv_kernel[(triton.cdiv(max_sk, cfg_kv.block_n), B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t, dq_acc,
+            *strides_qkvdo, *_bshd_strides(dk, vl), *_bshd_strides(dv, vl), *m_strides, s_ab, s_ah,
+            *_bshd_strides(dq_acc, vl), Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
+            HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv), FUSED_DQ=fused,
+        )
     if fused:
         dq = dq_acc.mul_(params.scale).to(q.dtype)
+    elif g_q is not None:
+        dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q)
     else:
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         attn_bwd_dq_kernel[(triton.cdiv(max_sq, cfg_q.block_m), B * Hq)](

@@ -43,6 +43,9 @@ class TileConfig:
     # gluon only: slots in V's ring (0: num_stages, as K's).  One lets 64 x 128 tiles at
     # D = 128 (112 KB) run two programs per SM; V's copy then hides behind one tile's q k^T
     v_stages: int = 0
+    # gluon bwd_kv only: overlap a query tile's element-wise work with the previous tile's
+    # dV / dK products (more live registers); False: one tile at a time
+    overlap: bool = True
 
 
 # (pass, head-dim bucket, bytes per element) -> config, one table per GPU architecture.
@@ -74,6 +77,13 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # tiles' 329 (short rows: per-program start and finish costs dominate); from 4k it wins
     ("fwd_gluon_causal", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, min_keys=2048, v_stages=1),
     ("fwd", 256, 2): TileConfig(64, 32, 4, 2),
+    # The Gluon backward (ops/gluon/attention_bwd_sm90.py) for the calls in the Gluon forward's
+    # scope: bwd_kv: block_n keys resident (one warpgroup), block_m-query tiles streamed;
+    # bwd_q: block_m queries resident, block_n-key tiles streamed.
+    ("bwd_kv_gluon", 64, 2): TileConfig(64, 64, 4, 2, gluon=True),
+    ("bwd_kv_gluon", 128, 2): TileConfig(32, 64, 4, 2, gluon=True),
+    ("bwd_q_gluon", 64, 2): TileConfig(64, 64, 4, 2, gluon=True),
+    ("bwd_q_gluon", 128, 2): TileConfig(64, 64, 4, 2, gluon=True),
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
     ("fwd", 128, 4): TileConfig(64, 32, 4, 2),
     ("fwd", 256, 4): TileConfig(32, 32, 4, 1),
@@ -116,7 +126,7 @@ _GENERIC: dict[tuple[str, int, int], TileConfig] = {
 _TABLES: dict[tuple[int, int], dict] = {(9, 0): _SM90}
 _TABLE = _SM90  # the measured table (tests and tools read it)
 _INTERPRETER = TileConfig(16, 16, 1, 1)
-KINDS = ("fwd", "fwd_causal", "fwd_gluon", "fwd_gluon_causal", "bwd_kv", "bwd_q")
+KINDS = ("fwd", "fwd_causal", "fwd_gluon", "fwd_gluon_causal", "bwd_kv", "bwd_q", "bwd_kv_gluon", "bwd_q_gluon")
 _overrides: dict[tuple[str, int, int], TileConfig] = {}
 ENV_FILE = "FLASHFORGE_TILE_CONFIGS"
 
@@ -171,15 +181,20 @@ def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal
     raise KeyError(keys[-1])
 
 
-def gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, int]) -> TileConfig | None:
-    """The Gluon forward's tiles ("fwd_gluon[_causal]" entries), or None: where there is no
-    entry, or where the forward's own tiles are overridden (set_config, $FLASHFORGE_TILE_CONFIGS:
-    a sweep or a user chose them, and a "fwd" override with gluon=True asks for Gluon itself)."""
+def gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, int],
+                 kind: str = "fwd") -> TileConfig | None:
+    """The Gluon kernel's tiles for pass `kind` ("fwd", "bwd_kv", "bwd_q": the table's
+    "<kind>_gluon" entries, and "fwd_gluon_causal" for a causal forward), or None: where there
+    is no entry, or where the pass's own tiles are overridden (set_config,
+    $FLASHFORGE_TILE_CONFIGS: a sweep or a user chose them, and an override with gluon=True
+    asks for Gluon itself)."""
     bucket = _bucket(head_dim)
-    fwd_keys = [("fwd", bucket, elem_size)] + ([("fwd_causal", bucket, elem_size)] if causal else [])
-    if any(key in source for source in (_overrides, _from_env) for key in fwd_keys):
+    base_keys = [(kind, bucket, elem_size)] + ([("fwd_causal", bucket, elem_size)] if causal and kind == "fwd" else [])
+    if any(key in source for source in (_overrides, _from_env) for key in base_keys):
         return None
-    keys = ([("fwd_gluon_causal", bucket, elem_size)] if causal else []) + [("fwd_gluon", bucket, elem_size)]
+    keys = [(kind + "_gluon", bucket, elem_size)]
+    if causal and kind == "fwd":
+        keys.insert(0, ("fwd_gluon_causal", bucket, elem_size))
     for source in (_overrides, _from_env, _TABLES.get(tuple(arch), _GENERIC)):
         for key in keys:
             if key in source:

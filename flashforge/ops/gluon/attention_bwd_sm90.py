@@ -1,0 +1,375 @@
+"""Hopper (sm_90) attention backward in Gluon: the dense 16-bit fast path.
+
+The same split as the portable backward (ops/triton/attention_bwd.py: FA2's, no
+atomics, so deterministic), with the products issued as asynchronous warpgroup
+MMAs so a tile's element-wise work overlaps the tensor cores (the forward's
+reason, ops/gluon/attention_fwd_sm90.py):
+
+- `attn_bwd_dkdv_sm90_kernel`: one warpgroup per 64 keys (BLOCK_N), K and V
+  resident in shared memory; walks the query tiles (BLOCK_M) of every query head
+  of its GQA group, Q and dO arriving by TMA into rings.  Per tile t:
+
+      S^T_t = K Q_t^T, dP^T_t = V dO_t^T                  issued
+      dV += P^T_{t-1} dO_{t-1}, dK += dS^T_{t-1} Q_{t-1}   issued (PIPE)
+      wait for S^T_t, dP^T_t; P^T_t, dS^T_t from them      overlaps dV, dK
+      wait for dV, dK: tile t-1's slots are free
+
+- `attn_bwd_dq_sm90_kernel`: one warpgroup per 64 queries, Q and dO resident;
+  walks the key tiles, K and V by TMA into separate rings (V's slot is free
+  once dP is done, K's only after dQ += dS K).
+
+Both recompute P = exp2(S * scale * log2(e) - lse * log2(e)) from the forward's
+lse and take delta = rowsum(o * dO) - dlse from the portable preprocess kernel.
+Rows past a sequence's end: TMA zero-fills them and clips the stores; their lse
+is read as +inf, so their P and dS are 0.  Keys past Sk only ever reach rows of
+dK / dV that the store clips (the dK/dV kernel), or are masked (the dQ kernel,
+where dS K would mix them into kept rows).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _row_stats(LSE, DELTA, row0, o_m, Sq):
+    # lse in log2 units (+inf past Sq: P = 0 there; fully masked rows, -inf, shift by 0 so the
+    # masked scores give P = 0, not NaN) and delta
+    lse = gl.load(LSE + row0 + o_m, mask=o_m < Sq, other=float("inf"))
+    lse2 = gl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    delta = gl.load(DELTA + row0 + o_m, mask=o_m < Sq, other=0.0)
+    return lse2, delta
+
+
+@gluon.jit
+def _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t, T, n_mt, mt_lo, b, hk, group,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    # tile t of the flattened (head of the group, query tile) walk into slot t % STAGES
+    slot = t % STAGES
+    g = t // n_mt
+    m = (mt_lo + t - g * n_mt) * BLOCK_M
+    h = hk * group + g
+    mbarrier.expect(bars.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=t < T)
+    tma.async_copy_global_to_shared(q_desc, [b, m, h, 0], bars.index(slot), q_ring.index(slot), pred=t < T)
+    tma.async_copy_global_to_shared(do_desc, [b, m, h, 0], bars.index(slot), do_ring.index(slot), pred=t < T)
+
+
+@gluon.jit
+def _slot(ring, t, ROWS: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    # slot t % STAGES of a [STAGES, 1, ROWS, 1, D] ring, as the [ROWS, D] matrix the MMA reads
+    return ring.index(t % STAGES).reshape([ROWS, D])
+
+
+@gluon.jit
+def _wait(bars, t, STAGES: gl.constexpr):
+    mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1)
+
+
+@gluon.jit
+def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE, DELTA,
+              col_s: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr):
+    """P^T and dS^T ([keys, queries], float32) of flattened tile t from S^T and dP^T."""
+    g = t // n_mt
+    m0 = (mt_lo + t - g * n_mt) * BLOCK_M
+    h = hk * group + g
+    o_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
+    lse2, delta = _row_stats(LSE, DELTA, (b * Hq + h).to(gl.int64) * Sq, o_m, Sq)
+    s2 = st * qk_scale
+    if MASKED:  # the causal diagonal: key n visible from query m iff n <= m + offset
+        s2 = gl.where(o_n[:, None] <= o_m[None, :] + offset, s2, float("-inf"))
+    pt = gl.exp2(s2 - lse2[None, :])
+    dst = pt * (dpt - delta[None, :])
+    return pt, dst
+
+
+@gluon.jit
+def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Hq, Sq, Sk, group,
+                              offset, qk_scale, scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+                              num_warps: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    pid = gl.program_id(0)  # causal: the first key blocks see the most queries, so run first
+    bh = gl.program_id(1)
+    Hkv = Hq // group
+    b = bh // Hkv
+    hk = bh % Hkv
+    n0 = pid * BLOCK_N
+
+    # S^T / dP^T: [keys, queries], one warp per 16 keys; dK / dV: [keys, D]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    # query tiles [mt_lo, mt_hi) see these keys; those before mt_full cross the causal diagonal
+    if CAUSAL:
+        mt_lo = gl.maximum(n0 - offset, 0) // BLOCK_M
+        mt_full = gl.maximum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M), mt_lo)
+    else:
+        mt_lo = 0
+        mt_full = 0
+    n_mt = gl.maximum(gl.cdiv(Sq, BLOCK_M) - mt_lo, 0)
+    T = n_mt * group  # flattened: (head of the group, query tile)
+    n_mt_div = gl.maximum(n_mt, 1)
+    n_masked = gl.minimum(mt_full - mt_lo, n_mt)
+
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, n0, hk, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b, n0, hk, 0], kv_bar, v_smem)
+    for i in gl.static_range(STAGES):
+        _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, i, T, n_mt_div, mt_lo, b, hk, group, BLOCK_M, STAGES)
+
+    o_n = n0 + gl.arange(0, BLOCK_N, layout=row_s)
+    dk = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    mbarrier.wait(kv_bar, 0)
+    k_t = k_smem.reshape([BLOCK_N, D])
+    v_t = v_smem.reshape([BLOCK_N, D])
+
+    if PIPE:
+        if T > 0:
+            _wait(bars, 0, STAGES)
+            st = warpgroup_mma(k_t, _slot(q_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+            dpt = warpgroup_mma(v_t, _slot(do_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                is_async=True)
+            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+            if n_masked > 0:
+                pt, dst = _dst_tile(st, dpt, 0, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE,
+                                    DELTA, col_s, True, BLOCK_M)
+            else:
+                pt, dst = _dst_tile(st, dpt, 0, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE,
+                                    DELTA, col_s, False, BLOCK_M)
+            pt = gl.convert_layout(pt.to(dtype), op_layout)
+            dst = gl.convert_layout(dst.to(dtype), op_layout)
+            for t in range(1, T):
+                _wait(bars, t, STAGES)
+                st = warpgroup_mma(k_t, _slot(q_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero,
+                                   use_acc=False, is_async=True)
+                dpt = warpgroup_mma(v_t, _slot(do_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero,
+                                    use_acc=False, is_async=True)
+                dv = warpgroup_mma(pt, _slot(do_ring, t - 1, BLOCK_M, D, STAGES), dv, is_async=True)
+                dk = warpgroup_mma(dst, _slot(q_ring, t - 1, BLOCK_M, D, STAGES), dk, is_async=True)
+                # S^T_t and dP^T_t are done (the older groups); dV, dK of tile t-1 may still run
+                st, dpt = warpgroup_mma_wait(2, deps=(st, dpt))
+                if t % n_mt_div < n_masked:
+                    pt_new, dst_new = _dst_tile(st, dpt, t, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset,
+                                                qk_scale, LSE, DELTA, col_s, True, BLOCK_M)
+                else:
+                    pt_new, dst_new = _dst_tile(st, dpt, t, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset,
+                                                qk_scale, LSE, DELTA, col_s, False, BLOCK_M)
+                dv, dk, pt, dst = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst))
+                # tile t-1's slot is free
+                _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
+                          BLOCK_M, STAGES)
+                pt = gl.convert_layout(pt_new.to(dtype), op_layout)
+                dst = gl.convert_layout(dst_new.to(dtype), op_layout)
+            last = T - 1
+            dv = warpgroup_mma(pt, _slot(do_ring, last, BLOCK_M, D, STAGES), dv, is_async=True)
+            dk = warpgroup_mma(dst, _slot(q_ring, last, BLOCK_M, D, STAGES), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    else:
+        # one tile at a time (fewer live registers; another program on the SM fills the gaps):
+        # tile t's dV, dK products run while tile t+1's slot is awaited and its S^T, dP^T issued
+        if T > 0:
+            _wait(bars, 0, STAGES)
+            st = warpgroup_mma(k_t, _slot(q_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+            dpt = warpgroup_mma(v_t, _slot(do_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                is_async=True)
+            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+            if n_masked > 0:
+                pt, dst = _dst_tile(st, dpt, 0, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE,
+                                    DELTA, col_s, True, BLOCK_M)
+            else:
+                pt, dst = _dst_tile(st, dpt, 0, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE,
+                                    DELTA, col_s, False, BLOCK_M)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), _slot(do_ring, 0, BLOCK_M, D, STAGES), dv,
+                               is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), _slot(q_ring, 0, BLOCK_M, D, STAGES), dk,
+                               is_async=True)
+            for t in range(1, T):
+                _wait(bars, t, STAGES)
+                st = warpgroup_mma(k_t, _slot(q_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero,
+                                   use_acc=False, is_async=True)
+                dpt = warpgroup_mma(v_t, _slot(do_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero,
+                                    use_acc=False, is_async=True)
+                # also retires tile t-1's dV, dK: its slot is free
+                st, dpt, dv, dk = warpgroup_mma_wait(0, deps=(st, dpt, dv, dk))
+                _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
+                          BLOCK_M, STAGES)
+                if t % n_mt_div < n_masked:
+                    pt, dst = _dst_tile(st, dpt, t, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale,
+                                        LSE, DELTA, col_s, True, BLOCK_M)
+                else:
+                    pt, dst = _dst_tile(st, dpt, t, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale,
+                                        LSE, DELTA, col_s, False, BLOCK_M)
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), _slot(do_ring, t, BLOCK_M, D, STAGES),
+                                   dv, is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), _slot(q_ring, t, BLOCK_M, D, STAGES),
+                                   dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    # dK, dV through K's and V's buffers (no longer read) and TMA, which clips rows past Sk
+    k_smem.reshape([BLOCK_N, D]).store((dk * scale).to(dtype))
+    v_smem.reshape([BLOCK_N, D]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, n0, hk, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [b, n0, hk, 0], v_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _load_tile(desc, ring, bars, j, b, hk, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    # key tile j of K or V into slot j % STAGES; a tile past the end is not fetched
+    slot = j % STAGES
+    mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=j < n_tiles)
+    tma.async_copy_global_to_shared(desc, [b, j * BLOCK_N, hk, 0], bars.index(slot), ring.index(slot),
+                                    pred=j < n_tiles)
+
+
+@gluon.jit
+def _ds_tile(s, dp, n0, o_m, lse2, delta, Sk, offset, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
+             CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """dS ([queries, keys], float32) of one key tile."""
+    s2 = s * qk_scale
+    if MASKED:  # keys past Sk (zero-filled: dS K would still mix their scores in) or the causal diagonal
+        o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = o_n[None, :] < Sk
+        if CAUSAL:
+            keep = keep & (o_n[None, :] <= o_m[:, None] + offset)
+        s2 = gl.where(keep, s2, float("-inf"))
+    p = gl.exp2(s2 - lse2[:, None])
+    return p * (dp - delta[:, None])
+
+
+@gluon.jit
+def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, Hq, Sq, Sk, group, offset,
+                            qk_scale, scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                            num_warps: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    n_m = gl.cdiv(Sq, BLOCK_M)
+    pid = gl.program_id(0)
+    if CAUSAL:  # the longest rows first
+        pid = n_m - 1 - pid
+    bh = gl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // group
+    m0 = pid * BLOCK_M
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    # key tiles [0, n_tiles); from n_full on they need a mask (causal diagonal, or Sk's end)
+    if CAUSAL:
+        n_end = gl.minimum(Sk, m0 + BLOCK_M + offset)
+        n_full = gl.minimum(gl.maximum(m0 + offset + 1, 0) // BLOCK_N, Sk // BLOCK_N)
+    else:
+        n_end = Sk
+        n_full = Sk // BLOCK_N
+    n_tiles = gl.maximum(gl.cdiv(n_end, BLOCK_N), 0)
+
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_bars.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, m0, h, 0], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [b, m0, h, 0], q_bar, do_smem)
+    for i in gl.static_range(STAGES):
+        _load_tile(k_desc, k_ring, k_bars, i, b, hk, n_tiles, BLOCK_N, STAGES)
+    for i in gl.static_range(V_STAGES):
+        _load_tile(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N, V_STAGES)
+
+    o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+    lse2, delta = _row_stats(LSE, DELTA, (b * Hq + h).to(gl.int64) * Sq, o_m, Sq)
+    dq = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    q_t = q_smem.reshape([BLOCK_M, D])
+    do_t = do_smem.reshape([BLOCK_M, D])
+
+    if n_tiles > 0:
+        _wait(k_bars, 0, STAGES)
+        _wait(v_bars, 0, V_STAGES)
+        s = warpgroup_mma(q_t, _slot(k_ring, 0, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        dp = warpgroup_mma(do_t, _slot(v_ring, 0, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)
+        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+        _load_tile(v_desc, v_ring, v_bars, V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
+        if n_full > 0:
+            ds = _ds_tile(s, dp, 0, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, False, CAUSAL, BLOCK_N)
+        else:
+            ds = _ds_tile(s, dp, 0, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, True, CAUSAL, BLOCK_N)
+        ds = gl.convert_layout(ds.to(dtype), op_layout)
+        for j in range(1, n_tiles):
+            _wait(k_bars, j, STAGES)
+            _wait(v_bars, j, V_STAGES)
+            s = warpgroup_mma(q_t, _slot(k_ring, j, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            dp = warpgroup_mma(do_t, _slot(v_ring, j, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero,
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds, _slot(k_ring, j - 1, BLOCK_N, D, STAGES), dq, is_async=True)
+            # S_j, dP_j are done; dQ's product of tile j-1 may still run.  V_j's slot is free.
+            s, dp = warpgroup_mma_wait(1, deps=(s, dp))
+            _load_tile(v_desc, v_ring, v_bars, j + V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
+            if j < n_full:
+                ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, False,
+                                  CAUSAL, BLOCK_N)
+            else:
+                ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, True,
+                                  CAUSAL, BLOCK_N)
+            dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
+            _load_tile(k_desc, k_ring, k_bars, j - 1 + STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
+            ds = gl.convert_layout(ds_new.to(dtype), op_layout)
+        last = n_tiles - 1
+        dq = warpgroup_mma(ds, _slot(k_ring, last, BLOCK_N, D, STAGES), dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+    for i in gl.static_range(V_STAGES):
+        mbarrier.invalidate(v_bars.index(i))
+    # dQ through q's buffer and TMA, which clips rows past Sq
+    q_smem.reshape([BLOCK_M, D]).store((dq * scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [b, m0, h, 0], q_smem)
+    tma.store_wait(0)
