@@ -98,7 +98,7 @@ def bwd_in_scope(kind: str, q, k, v, do, lse, mask, params: AttnParams, cfg, arc
     call's share: the forward's scope (bar the short-query rule: no GQA packing here), dO
     readable by the copy engine, a dense lse, and one warp per 16 rows of the kernel's
     resident block (keys for dK/dV, queries for dQ)."""
-    if not _scores_in_scope(q, k, v, mask, params, arch) or not lse.is_contiguous():
+    if not _scores_in_scope(q, k, v, mask, params, arch) or not lse.is_contiguous() or do.dtype != q.dtype:
         return False
     rows = cfg.block_n if kind == "bwd_kv" else cfg.block_m
     if rows != 16 * cfg.num_warps:
