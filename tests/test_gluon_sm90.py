@@ -87,13 +87,14 @@ def test_matches_portable_kernel(causal, gluon_calls):
 
 
 # The Gluon backward (ops/gluon/attention_bwd_sm90.py): dK/dV and dQ kernels, each with the
-# table's tiles and with the variants the table may pick (one query tile at a time, 3-slot
-# rings, 32-query tiles, 128-key tiles, a one-slot V ring)
+# table's tiles and with the variants the table may pick (one query tile at a time or
+# overlapped, 2- and 3-slot rings, 32-query tiles, 128-key tiles, a one-slot V ring)
 TC = configs.TileConfig
 BWD_VARIANTS = {
     "table": None,
     "kv-one-at-a-time-s3+q-128keys": (TC(64, 64, 4, 3, gluon=True, overlap=False), TC(64, 128, 4, 2, gluon=True)),
     "kv-32q+q-s3-v1": (TC(32, 64, 4, 2, gluon=True), TC(64, 64, 4, 3, gluon=True, v_stages=1)),
+    "kv-overlap-s3+q-s2": (TC(64, 64, 4, 3, gluon=True), TC(64, 64, 4, 2, gluon=True)),
 }
 
 
@@ -135,7 +136,9 @@ BWD_CASES = [
 @pytest.mark.parametrize("c, dtype", BWD_CASES)
 def test_backward_against_reference(c, dtype, gluon_bwd_calls):
     check_case(c, "triton", device="cuda", dtype=dtype)
-    assert gluon_bwd_calls["bwd_kv"] and gluon_bwd_calls["bwd_q"], "the Gluon backward was not used"
+    for kind in ("bwd_kv", "bwd_q"):  # (the table may leave one pass to the portable kernel)
+        if configs.gluon_config(c.D, 2, False, (9, 0), kind) is not None:
+            assert gluon_bwd_calls[kind], f"the Gluon {kind} kernel was not used"
 
 
 def test_backward_out_of_scope_takes_portable_kernels(gluon_bwd_calls):

@@ -95,10 +95,12 @@ def attention_forward(q, k, v, params: AttnParams, cfg):
 
 def bwd_in_scope(kind: str, q, k, v, do, lse, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> bool:
     """Whether the Gluon backward kernel `kind` ("bwd_kv": dK/dV, "bwd_q": dQ) computes this
-    call's share: the forward's scope (bar the short-query rule: no GQA packing here), dO
+    call's share: the forward's scope (at least 64 queries), dO
     readable by the copy engine, a dense lse, and one warp per 16 rows of the kernel's
     resident block (keys for dK/dV, queries for dQ)."""
     if not _scores_in_scope(q, k, v, mask, params, arch) or not lse.is_contiguous() or do.dtype != q.dtype:
+        return False
+    if q.shape[1] < 64:  # as the forward; and with Sq = 1 (an integer Triton specializes) triton 3.6 fails to compile
         return False
     rows = cfg.block_n if kind == "bwd_kv" else cfg.block_m
     if rows != 16 * cfg.num_warps:

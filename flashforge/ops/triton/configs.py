@@ -79,11 +79,13 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     ("fwd", 256, 2): TileConfig(64, 32, 4, 2),
     # The Gluon backward (ops/gluon/attention_bwd_sm90.py) for the calls in the Gluon forward's
     # scope: bwd_kv: block_n keys resident (one warpgroup), block_m-query tiles streamed;
-    # bwd_q: block_m queries resident, block_n-key tiles streamed.
-    ("bwd_kv_gluon", 64, 2): TileConfig(64, 64, 4, 2, gluon=True),
-    ("bwd_kv_gluon", 128, 2): TileConfig(32, 64, 4, 2, gluon=True),
-    ("bwd_q_gluon", 64, 2): TileConfig(64, 64, 4, 2, gluon=True),
-    ("bwd_q_gluon", 128, 2): TileConfig(64, 64, 4, 2, gluon=True),
+    # bwd_q: block_m queries resident, block_n-key tiles streamed.  H200 sweep, S = 4k, whole
+    # backward TFLOP/s (benchmarks/RESULTS.md v0.5.0): D = 128 dK/dV one tile at a time 425
+    # against the portable 406 (overlapped: 367, its 255 registers spill); dQ 403 against 384.
+    # D = 64 dK/dV: the portable kernel (363 against 355); dQ 337 against 336.
+    ("bwd_kv_gluon", 128, 2): TileConfig(64, 64, 4, 2, gluon=True, overlap=False),
+    ("bwd_q_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
+    ("bwd_q_gluon", 128, 2): TileConfig(64, 64, 4, 3, gluon=True, v_stages=1),
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
     ("fwd", 128, 4): TileConfig(64, 32, 4, 2),
     ("fwd", 256, 4): TileConfig(32, 32, 4, 1),
