@@ -41,7 +41,8 @@ for spec in ${FF_SWEEPS-"128:fwd" "128:bwd" "64:fwd" "64:bwd"}; do
     log="$OUT_DIR/sweep_${n}_D${d}_${pass}_${sl:-4096}${causal:+_causal}.log"
     echo "== sweep $n: ${args[*]} (limit ${lim}s)"
     # only the 4k sweeps (the grid's middle, where the table is tuned) write the tile file
-    [ "${sl:-4096}" = 4096 ] && args+=(--write-configs "$TILES")
+    # (FF_NO_TILES=1: none does, and the benchmark runs the committed table)
+    [ "${sl:-4096}" = 4096 ] && [ -z "${FF_NO_TILES:-}" ] && args+=(--write-configs "$TILES")
     timeout -k 5 "$lim" "$PY" benchmarks/sweep.py "${args[@]}" --out "$OUT_DIR" \
         --max-seconds $((lim - 45)) --warmup 10 --rep 40 \
         > "$log" 2>&1
