@@ -177,7 +177,7 @@ def record(quick: bool):
         for over in (dict(overlap=False), dict(num_stages=3), dict(block_m=32), dict(block_m=32, num_stages=3),
                      dict(block_n=128), dict(v_stages=1, num_stages=3)):
             launchers.get_config = lambda kind, d, e, interpret, over=over, **kw: replace(
-                real_get(kind + "_gluon" if kind.startswith("bwd") else kind, d, e, False, **kw), **over) \
+                configs.gluon_config(d, e, False, cap, kind) or configs.TileConfig(64, 64, 4, 2, gluon=True), **over) \
                 if kind.startswith("bwd") else real_get(kind, d, e, False, **kw)
             for D in (64, 128):
                 run(D=D, window_right=0)

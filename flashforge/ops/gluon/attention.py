@@ -108,12 +108,28 @@ def bwd_in_scope(kind: str, q, k, v, do, lse, mask, params: AttnParams, cfg, arc
     return _bwd_kernels() is not None and _kernel() is not None and all(tma_ready(t) for t in (q, k, v, do))
 
 
+@functools.lru_cache(maxsize=None)
+def _layout():
+    """The shared-memory layout of every tile (128-byte swizzle, 16-bit), built once."""
+    return _kernel()[1].NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+
+
 def _descriptor(t, rows):
     """A 4-D box [1, rows, 1, D] over [B, S, H, D]: the copy engine zero-fills rows past a
-    sequence's end and clips stores there, so no tile reads or writes another sequence's rows."""
-    _, gl, TensorDescriptor = _kernel()
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[3]], layout)
+    sequence's end and clips stores there, so no tile reads or writes another sequence's rows.
+
+    Built without the dataclass's __post_init__: its checks (16-byte aligned address and
+    strides, unit last stride, power-of-two box) are what `tma_ready` and the tile table
+    already guarantee, and a training step builds 15 descriptors (host time: the S = 1k rows
+    of the benchmark are host-bound on the device's CPU)."""
+    TensorDescriptor = _kernel()[2]
+    fields = dict(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, rows, 1, t.shape[3]],
+                  layout=_layout(), padding="zero")
+    d = object.__new__(TensorDescriptor)
+    if not hasattr(d, "__dict__"):  # a Triton whose descriptor has slots: the checked constructor
+        return TensorDescriptor(**fields)
+    d.__dict__.update(fields)
+    return d
 
 
 def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg):
