@@ -27,6 +27,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flashforge.ops.gluon import attention as gluon_launcher  # noqa: E402
+from flashforge.ops.launch import launch_key  # noqa: E402
 from flashforge.ops.params import AttnParams  # noqa: E402
 from flashforge.ops.triton import attention as launchers  # noqa: E402
 from flashforge.ops.triton import configs  # noqa: E402
@@ -93,6 +94,9 @@ def _signature(fn, args, kwargs):
 def compile_all(log):
     seen, failures = set(), []
     for fn, args, kwargs in log:
+        if launch_key(args) is None:  # the launch cache (ops/launch.py) would not serve it
+            failures.append((fn.__name__, {}, TypeError("an argument without a launch-cache rule")))
+            print(f"FAIL {fn.__name__}: launch_key found an argument type it has no rule for", flush=True)
         sig, consts, options, attrs = _signature(fn, args, kwargs)
         key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in consts.items())),
                tuple(sorted(options.items())))

@@ -15,6 +15,7 @@ import os
 import torch
 import triton
 
+from ..launch import launch
 from ..params import AttnParams
 from ..tma import tma_ready
 
@@ -85,11 +86,11 @@ def attention_forward(q, k, v, params: AttnParams, cfg):
     desc = _descriptor
     causal = params.window_right == 0
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
-    kernel[grid](desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m),
-                 lse, lse.stride(0), lse.stride(1), Hq, Sq, Sk, Hq // Hkv, params.offset,
-                 params.scale * math.log2(math.e),
-                 CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages),
-                 V_STAGES=cfg.v_stages or max(2, cfg.num_stages), Q_IN_REGS=_Q_IN_REGS, num_warps=cfg.num_warps)
+    launch(kernel, grid, desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m),
+           lse, lse.stride(0), lse.stride(1), Hq, Sq, Sk, Hq // Hkv, params.offset,
+           params.scale * math.log2(math.e),
+           CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages),
+           V_STAGES=cfg.v_stages or max(2, cfg.num_stages), Q_IN_REGS=_Q_IN_REGS, num_warps=cfg.num_warps)
     return o, lse
 
 
@@ -141,7 +142,7 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg):
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     grid = (triton.cdiv(Sk, cfg.block_n), B * Hkv)
-    dkdv[grid](_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+    launch(dkdv, grid, _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
                _descriptor(do, cfg.block_m), _descriptor(dk, cfg.block_n), _descriptor(dv, cfg.block_n),
                lse, delta, Hq, Sq, Sk, Hq // Hkv, params.offset, params.scale * math.log2(math.e), params.scale,
                CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
@@ -156,7 +157,7 @@ def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg):
     Sk, Hkv = k.shape[1], k.shape[2]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
-    dq_kernel[grid](_descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
+    launch(dq_kernel, grid, _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
                     _descriptor(do, cfg.block_m), _descriptor(dq, cfg.block_m),
                     lse, delta, Hq, Sq, Sk, Hq // Hkv, params.offset, params.scale * math.log2(math.e), params.scale,
                     CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,

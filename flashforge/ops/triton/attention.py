@@ -15,6 +15,7 @@ import triton
 
 from ..dropout import keep_threshold
 from ..gluon import attention as gluon_attention
+from ..launch import launch
 from ..params import AttnParams
 from ..tma import tma_ready
 from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bwd_dq_kernel,
@@ -163,7 +164,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     descs = _tma_descriptors(q, k, v, params, cfg, _padded(D, Dv), interpret)
     k_desc, v_desc = descs if descs is not None else (k, v)
     grid = (triton.cdiv(rows, cfg.block_m) * splits, B * heads)
-    attn_fwd_kernel[grid](
+    launch(attn_fwd_kernel, grid,
         q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns, k_desc, v_desc,
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
         *m_strides, s_ab, s_ah, *paging, *split_strides, splits,
@@ -177,7 +178,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        attn_fwd_combine_kernel[(Sq, q.shape[0] * Hq)](
+        launch(attn_fwd_combine_kernel, (Sq, q.shape[0] * Hq),
             o_out, lse_out, o, lse,
             o_out.stride(0), o_out.stride(1), o_out.stride(2), o_out.stride(3),
             o.stride(0), o.stride(1), o.stride(2),
@@ -206,7 +207,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     delta = torch.empty_like(lse)
-    attn_bwd_preprocess_kernel[(triton.cdiv(max_sq, cfg_q.block_m), B * Hq)](
+    launch(attn_bwd_preprocess_kernel, (triton.cdiv(max_sq, cfg_q.block_m), B * Hq),
         o, do, dlse if dlse is not None else delta, delta, cu_q,
         *_bshd_strides(o, vl), *_bshd_strides(do, vl), Hq, Sq, Dv,
         HAS_DLSE=dlse is not None, IS_VARLEN=vl, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
@@ -233,7 +234,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else q
-        attn_bwd_dkdv_kernel[(triton.cdiv(max_sk, cfg_kv.block_n), B * Hkv)](
+        launch(attn_bwd_dkdv_kernel, (triton.cdiv(max_sk, cfg_kv.block_n), B * Hkv),
             q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t, dq_acc,
             *strides_qkvdo, *_bshd_strides(dk, vl), *_bshd_strides(dv, vl), *m_strides, s_ab, s_ah,
             *_bshd_strides(dq_acc, vl), Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
@@ -245,7 +246,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q)
     else:
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        attn_bwd_dq_kernel[(triton.cdiv(max_sq, cfg_q.block_m), B * Hq)](
+        launch(attn_bwd_dq_kernel, (triton.cdiv(max_sq, cfg_q.block_m), B * Hq),
             q, k, v, do, lse, delta, dq, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
             *strides_qkvdo, *_bshd_strides(dq, vl), *m_strides, s_ab, s_ah,
             Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
@@ -258,7 +259,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         dmask = torch.empty(Bm, Hm, Sqm, Skm, dtype=torch.float32, device=q.device)
         m_bcast, n_bcast = Sqm == 1 and Sq > 1, Skm == 1 and Sk > 1
         grid = (triton.cdiv(Sqm, cfg_q.block_m), triton.cdiv(Skm, cfg_q.block_n), Bm * Hm)
-        attn_bwd_dmask_kernel[grid](
+        launch(attn_bwd_dmask_kernel, grid,
             q, k, v, do, lse, delta, dmask, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
             *strides_qkvdo, *m_strides, s_ab, s_ah, *dmask.stride(),
             B, Hq, Sq, Sk, D, Dv, Hq // Hkv, Hm, Sqm, Skm, *scalars,

@@ -1,0 +1,78 @@
+"""The launch cache (flashforge/ops/launch.py) keys a compiled kernel by what Triton
+specializes on: two arguments with the same key must get the same specialization from
+Triton's own rule (`native_specialize_impl`), or a cached kernel compiled for one would be
+launched for the other.  Runs on the CPU (the rule is host code)."""
+import itertools
+
+import pytest
+import torch
+
+from flashforge.ops.launch import launch_key
+
+triton_jit = pytest.importorskip("triton.runtime.jit")
+from triton.backends.compiler import BaseBackend  # noqa: E402
+
+
+def spec(a):
+    return triton_jit.native_specialize_impl(BaseBackend, a, False, True, True)
+
+
+def _values():
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, 1000, 1024, 2**31 - 1, 2**31 - 16, 2**31, 2**31 + 16, 2**40 + 3,
+            2**63 - 16, 2**63, 2**64 - 16, -1, -16, -17, -2**31, -2**31 - 16]
+    base = torch.zeros(4096, dtype=torch.bfloat16)
+    tensors = [base, base[1:], base[8:], base[9:], base.float(), base.float()[4:], base.float()[1:],
+               torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.uint8)[1:], torch.zeros(2, dtype=torch.bool)]
+    floats = [0.0, 1.0, 0.125, -3.5]
+    bools = [True, False]
+    out = [ints, tensors, floats, bools]
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        t = torch.zeros(2, 128, 4, 64, dtype=torch.bfloat16)
+        out.append([TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, 1, 64])
+                    for x in (t, t[:, :100], t.float()) for rows in (64, 128)])
+    except ImportError:
+        pass
+    try:
+        from flashforge.ops.gluon import attention as gluon_attention
+        if gluon_attention._kernel() is not None:
+            t = torch.zeros(2, 128, 4, 64, dtype=torch.bfloat16)
+            out.append([gluon_attention._descriptor(x, rows) for x in (t, t[:, :100], t.half()) for rows in (64, 32)])
+    except ImportError:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("group", range(6), ids=["int", "tensor", "float", "bool", "descriptor", "gluon-descriptor"])
+def test_same_key_means_same_specialization(group):
+    groups = _values()
+    if group >= len(groups):
+        pytest.skip("this Triton has no such descriptor")
+    values = groups[group]
+    for a, b in itertools.combinations(values, 2):
+        ka, kb = launch_key([a]), launch_key([b])
+        assert ka is not None and kb is not None
+        if ka == kb:
+            assert spec(a) == spec(b), (a if not isinstance(a, torch.Tensor) else a.dtype, b, ka)
+    # and the key separates what Triton separates within the group (no needless recompiles either)
+    assert len({launch_key([v]) for v in values}) == len({str(spec(v)) for v in values})
+
+
+def test_unknown_argument_types_take_the_plain_launch():
+    assert launch_key([object()]) is None
+    assert launch_key([1, "tf32"]) is None
+
+
+@pytest.mark.gpu
+def test_repeat_launches_are_right():
+    """Calls whose arguments share a key (lengths 130, 257: neither 1 nor a multiple of 16)
+    run from the cache, with their own grids and values, and match the reference."""
+    from flashforge.ops import launch
+    from helpers import Case, check_case
+    for Sq in (130, 257, 130, 257):
+        for causal in (False, True):
+            check_case(Case(B=2, Sq=Sq, Sk=Sq + 3, Hq=4, Hkv=2, D=64, causal=causal), "triton", device="cuda",
+                       dtype=torch.bfloat16)
+    hits = launch.hits
+    check_case(Case(B=2, Sq=257, Sk=260, Hq=4, Hkv=2, D=64), "triton", device="cuda", dtype=torch.bfloat16)
+    assert launch.hits > hits
