@@ -76,3 +76,22 @@ def test_repeat_launches_are_right():
     hits = launch.hits
     check_case(Case(B=2, Sq=257, Sk=260, Hq=4, Hkv=2, D=64), "triton", device="cuda", dtype=torch.bfloat16)
     assert launch.hits > hits
+
+
+def test_profiler_hooks_take_tritons_path():
+    """Triton keeps an (empty) hook chain; only a chain with hooks in it sends launches through
+    Triton's own path, which calls them."""
+    from triton import knobs
+    from flashforge.ops import launch
+    assert not launch._hooked()
+    hook = knobs.runtime.launch_enter_hook
+
+    def probe(*args):
+        pass
+
+    hook.add(probe)
+    try:
+        assert launch._hooked()
+    finally:
+        hook.remove(probe)
+    assert not launch._hooked()
