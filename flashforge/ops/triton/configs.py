@@ -73,9 +73,11 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # / 16k: 572 / 592 TFLOP/s against 543 / 548 for 64 x 64; causal 530 / 572 against 498 / 536)
     ("fwd_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, v_stages=1),
     ("fwd_gluon_causal", 64, 2): TileConfig(64, 64, 4, 2, gluon=True),
-    # D = 128 causal at S = 1k, in the benchmark: Gluon 263 TFLOP/s against the portable
-    # tiles' 329 (short rows: per-program start and finish costs dominate); from 4k it wins
-    ("fwd_gluon_causal", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, min_keys=2048, v_stages=1),
+    # D = 128 causal at S = 1k: v0.4.0's benchmark read Gluon 263 TFLOP/s against the portable
+    # tiles' 329 and kept Gluon from 2k keys on; v0.5.0 timed both in one process
+    # (scripts/short_calls.py): Gluon 348 in a CUDA graph and 307 eager against the portable
+    # 321 and 219 (it also needs ~100 us less host time per call), so Gluon serves all lengths
+    ("fwd_gluon_causal", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, v_stages=1),
     ("fwd", 256, 2): TileConfig(64, 32, 4, 2),
     # The Gluon backward (ops/gluon/attention_bwd_sm90.py) for the calls in the Gluon forward's
     # scope: bwd_kv: block_n keys resident (one warpgroup), block_m-query tiles streamed;
