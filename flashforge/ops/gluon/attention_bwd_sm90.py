@@ -30,6 +30,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .pipeline import init_barriers, invalidate_barriers, load_rows, slot, wait
+
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -57,17 +59,6 @@ def _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t, T, n_mt, mt_lo, b, hk, 
 
 
 @gluon.jit
-def _slot(ring, t, ROWS: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-    # slot t % STAGES of a [STAGES, 1, ROWS, 1, D] ring, as the [ROWS, D] matrix the MMA reads
-    return ring.index(t % STAGES).reshape([ROWS, D])
-
-
-@gluon.jit
-def _wait(bars, t, STAGES: gl.constexpr):
-    mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1)
-
-
-@gluon.jit
 def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE, DELTA,
               col_s: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr):
     """P^T and dS^T ([keys, queries], float32) of flattened tile t from S^T and dP^T."""
@@ -81,6 +72,19 @@ def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_sca
         s2 = gl.where(o_n[:, None] <= o_m[None, :] + offset, s2, float("-inf"))
     pt = gl.exp2(s2 - lse2[None, :])
     dst = pt * (dpt - delta[None, :])
+    return pt, dst
+
+
+@gluon.jit
+def _tile_grads(st, dpt, t, n_mt, n_masked, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE, DELTA,
+                col_s: gl.constexpr, BLOCK_M: gl.constexpr):
+    """P^T and dS^T of flattened tile t: with the causal mask on the first n_masked query tiles of each head."""
+    if t % n_mt < n_masked:
+        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE, DELTA, col_s,
+                            True, BLOCK_M)
+    else:
+        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE, DELTA, col_s,
+                            False, BLOCK_M)
     return pt, dst
 
 
@@ -125,8 +129,7 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    init_barriers(bars, STAGES)
     fence_async_shared()
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -145,36 +148,28 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
 
     if PIPE:
         if T > 0:
-            _wait(bars, 0, STAGES)
-            st = warpgroup_mma(k_t, _slot(q_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+            wait(bars, 0, STAGES)
+            st = warpgroup_mma(k_t, slot(q_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
-            dpt = warpgroup_mma(v_t, _slot(do_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+            dpt = warpgroup_mma(v_t, slot(do_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                                 is_async=True)
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-            if n_masked > 0:
-                pt, dst = _dst_tile(st, dpt, 0, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE,
-                                    DELTA, col_s, True, BLOCK_M)
-            else:
-                pt, dst = _dst_tile(st, dpt, 0, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE,
-                                    DELTA, col_s, False, BLOCK_M)
+            pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, b, Hq, Sq, o_n, offset,
+                                  qk_scale, LSE, DELTA, col_s, BLOCK_M)
             pt = gl.convert_layout(pt.to(dtype), op_layout)
             dst = gl.convert_layout(dst.to(dtype), op_layout)
             for t in range(1, T):
-                _wait(bars, t, STAGES)
-                st = warpgroup_mma(k_t, _slot(q_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero,
-                                   use_acc=False, is_async=True)
-                dpt = warpgroup_mma(v_t, _slot(do_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero,
-                                    use_acc=False, is_async=True)
-                dv = warpgroup_mma(pt, _slot(do_ring, t - 1, BLOCK_M, D, STAGES), dv, is_async=True)
-                dk = warpgroup_mma(dst, _slot(q_ring, t - 1, BLOCK_M, D, STAGES), dk, is_async=True)
+                wait(bars, t, STAGES)
+                st = warpgroup_mma(k_t, slot(q_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                   is_async=True)
+                dpt = warpgroup_mma(v_t, slot(do_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                    is_async=True)
+                dv = warpgroup_mma(pt, slot(do_ring, t - 1, BLOCK_M, D, STAGES), dv, is_async=True)
+                dk = warpgroup_mma(dst, slot(q_ring, t - 1, BLOCK_M, D, STAGES), dk, is_async=True)
                 # S^T_t and dP^T_t are done (the older groups); dV, dK of tile t-1 may still run
                 st, dpt = warpgroup_mma_wait(2, deps=(st, dpt))
-                if t % n_mt_div < n_masked:
-                    pt_new, dst_new = _dst_tile(st, dpt, t, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset,
-                                                qk_scale, LSE, DELTA, col_s, True, BLOCK_M)
-                else:
-                    pt_new, dst_new = _dst_tile(st, dpt, t, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset,
-                                                qk_scale, LSE, DELTA, col_s, False, BLOCK_M)
+                pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, b, Hq, Sq, o_n,
+                                              offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
                 dv, dk, pt, dst = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst))
                 # tile t-1's slot is free
                 _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
@@ -182,54 +177,45 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                 pt = gl.convert_layout(pt_new.to(dtype), op_layout)
                 dst = gl.convert_layout(dst_new.to(dtype), op_layout)
             last = T - 1
-            dv = warpgroup_mma(pt, _slot(do_ring, last, BLOCK_M, D, STAGES), dv, is_async=True)
-            dk = warpgroup_mma(dst, _slot(q_ring, last, BLOCK_M, D, STAGES), dk, is_async=True)
+            dv = warpgroup_mma(pt, slot(do_ring, last, BLOCK_M, D, STAGES), dv, is_async=True)
+            dk = warpgroup_mma(dst, slot(q_ring, last, BLOCK_M, D, STAGES), dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
     else:
         # one tile at a time (fewer live registers; another program on the SM fills the gaps):
         # tile t's dV, dK products run while tile t+1's slot is awaited and its S^T, dP^T issued
         if T > 0:
-            _wait(bars, 0, STAGES)
-            st = warpgroup_mma(k_t, _slot(q_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+            wait(bars, 0, STAGES)
+            st = warpgroup_mma(k_t, slot(q_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
-            dpt = warpgroup_mma(v_t, _slot(do_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+            dpt = warpgroup_mma(v_t, slot(do_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                                 is_async=True)
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-            if n_masked > 0:
-                pt, dst = _dst_tile(st, dpt, 0, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE,
-                                    DELTA, col_s, True, BLOCK_M)
-            else:
-                pt, dst = _dst_tile(st, dpt, 0, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE,
-                                    DELTA, col_s, False, BLOCK_M)
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), _slot(do_ring, 0, BLOCK_M, D, STAGES), dv,
+            pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, b, Hq, Sq, o_n, offset,
+                                  qk_scale, LSE, DELTA, col_s, BLOCK_M)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, 0, BLOCK_M, D, STAGES), dv,
                                is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), _slot(q_ring, 0, BLOCK_M, D, STAGES), dk,
+            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, 0, BLOCK_M, D, STAGES), dk,
                                is_async=True)
             for t in range(1, T):
-                _wait(bars, t, STAGES)
-                st = warpgroup_mma(k_t, _slot(q_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero,
-                                   use_acc=False, is_async=True)
-                dpt = warpgroup_mma(v_t, _slot(do_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero,
-                                    use_acc=False, is_async=True)
+                wait(bars, t, STAGES)
+                st = warpgroup_mma(k_t, slot(q_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                   is_async=True)
+                dpt = warpgroup_mma(v_t, slot(do_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                    is_async=True)
                 # also retires tile t-1's dV, dK: its slot is free
                 st, dpt, dv, dk = warpgroup_mma_wait(0, deps=(st, dpt, dv, dk))
                 _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
                           BLOCK_M, STAGES)
-                if t % n_mt_div < n_masked:
-                    pt, dst = _dst_tile(st, dpt, t, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale,
-                                        LSE, DELTA, col_s, True, BLOCK_M)
-                else:
-                    pt, dst = _dst_tile(st, dpt, t, n_mt_div, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale,
-                                        LSE, DELTA, col_s, False, BLOCK_M)
-                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), _slot(do_ring, t, BLOCK_M, D, STAGES),
+                pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, b, Hq, Sq, o_n, offset,
+                                      qk_scale, LSE, DELTA, col_s, BLOCK_M)
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES),
                                    dv, is_async=True)
-                dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), _slot(q_ring, t, BLOCK_M, D, STAGES),
+                dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, t, BLOCK_M, D, STAGES),
                                    dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
 
     mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+    invalidate_barriers(bars, STAGES)
     # dK, dV through K's and V's buffers (no longer read) and TMA, which clips rows past Sk
     k_smem.reshape([BLOCK_N, D]).store((dk * scale).to(dtype))
     v_smem.reshape([BLOCK_N, D]).store(dv.to(dtype))
@@ -237,15 +223,6 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     tma.async_copy_shared_to_global(dk_desc, [b, n0, hk, 0], k_smem)
     tma.async_copy_shared_to_global(dv_desc, [b, n0, hk, 0], v_smem)
     tma.store_wait(0)
-
-
-@gluon.jit
-def _load_tile(desc, ring, bars, j, b, hk, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    # key tile j of K or V into slot j % STAGES; a tile past the end is not fetched
-    slot = j % STAGES
-    mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=j < n_tiles)
-    tma.async_copy_global_to_shared(desc, [b, j * BLOCK_N, hk, 0], bars.index(slot), ring.index(slot),
-                                    pred=j < n_tiles)
 
 
 @gluon.jit
@@ -303,19 +280,17 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-    for i in gl.static_range(V_STAGES):
-        mbarrier.init(v_bars.index(i), count=1)
+    init_barriers(k_bars, STAGES)
+    init_barriers(v_bars, V_STAGES)
     fence_async_shared()
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, m0, h, 0], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [b, m0, h, 0], q_bar, do_smem)
     for i in gl.static_range(STAGES):
-        _load_tile(k_desc, k_ring, k_bars, i, b, hk, n_tiles, BLOCK_N, STAGES)
+        load_rows(k_desc, k_ring, k_bars, i, b, hk, n_tiles, BLOCK_N, STAGES)
     for i in gl.static_range(V_STAGES):
-        _load_tile(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N, V_STAGES)
+        load_rows(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N, V_STAGES)
 
     o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     lse2, delta = _row_stats(LSE, DELTA, (b * Hq + h).to(gl.int64) * Sq, o_m, Sq)
@@ -326,30 +301,30 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
     do_t = do_smem.reshape([BLOCK_M, D])
 
     if n_tiles > 0:
-        _wait(k_bars, 0, STAGES)
-        _wait(v_bars, 0, V_STAGES)
-        s = warpgroup_mma(q_t, _slot(k_ring, 0, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+        wait(k_bars, 0, STAGES)
+        wait(v_bars, 0, V_STAGES)
+        s = warpgroup_mma(q_t, slot(k_ring, 0, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-        dp = warpgroup_mma(do_t, _slot(v_ring, 0, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero, use_acc=False,
+        dp = warpgroup_mma(do_t, slot(v_ring, 0, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-        _load_tile(v_desc, v_ring, v_bars, V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
+        load_rows(v_desc, v_ring, v_bars, V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
         if n_full > 0:
             ds = _ds_tile(s, dp, 0, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, False, CAUSAL, BLOCK_N)
         else:
             ds = _ds_tile(s, dp, 0, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, True, CAUSAL, BLOCK_N)
         ds = gl.convert_layout(ds.to(dtype), op_layout)
         for j in range(1, n_tiles):
-            _wait(k_bars, j, STAGES)
-            _wait(v_bars, j, V_STAGES)
-            s = warpgroup_mma(q_t, _slot(k_ring, j, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+            wait(k_bars, j, STAGES)
+            wait(v_bars, j, V_STAGES)
+            s = warpgroup_mma(q_t, slot(k_ring, j, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-            dp = warpgroup_mma(do_t, _slot(v_ring, j, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero,
+            dp = warpgroup_mma(do_t, slot(v_ring, j, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero,
                                use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds, _slot(k_ring, j - 1, BLOCK_N, D, STAGES), dq, is_async=True)
+            dq = warpgroup_mma(ds, slot(k_ring, j - 1, BLOCK_N, D, STAGES), dq, is_async=True)
             # S_j, dP_j are done; dQ's product of tile j-1 may still run.  V_j's slot is free.
             s, dp = warpgroup_mma_wait(1, deps=(s, dp))
-            _load_tile(v_desc, v_ring, v_bars, j + V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
+            load_rows(v_desc, v_ring, v_bars, j + V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
             if j < n_full:
                 ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, False,
                                   CAUSAL, BLOCK_N)
@@ -357,17 +332,15 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
                 ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, True,
                                   CAUSAL, BLOCK_N)
             dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
-            _load_tile(k_desc, k_ring, k_bars, j - 1 + STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
+            load_rows(k_desc, k_ring, k_bars, j - 1 + STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
             ds = gl.convert_layout(ds_new.to(dtype), op_layout)
         last = n_tiles - 1
-        dq = warpgroup_mma(ds, _slot(k_ring, last, BLOCK_N, D, STAGES), dq, is_async=True)
+        dq = warpgroup_mma(ds, slot(k_ring, last, BLOCK_N, D, STAGES), dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
 
     mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-    for i in gl.static_range(V_STAGES):
-        mbarrier.invalidate(v_bars.index(i))
+    invalidate_barriers(k_bars, STAGES)
+    invalidate_barriers(v_bars, V_STAGES)
     # dQ through q's buffer and TMA, which clips rows past Sq
     q_smem.reshape([BLOCK_M, D]).store((dq * scale).to(dtype))
     fence_async_shared()

@@ -29,28 +29,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .pipeline import init_barriers, invalidate_barriers, load_rows, slot, wait
+
 LN2 = gl.constexpr(0.6931471805599453)
-
-
-@gluon.jit
-def _load_kv(desc, ring, bars, j, b, hk, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    # tile j of K or V into slot j % STAGES; a tile past the end is not fetched
-    slot = j % STAGES
-    mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=j < n_tiles)
-    tma.async_copy_global_to_shared(desc, [b, j * BLOCK_N, hk, 0], bars.index(slot), ring.index(slot),
-                                    pred=j < n_tiles)
-
-
-@gluon.jit
-def _tile(ring, j, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-    # slot j % STAGES of a [STAGES, 1, BLOCK_N, 1, D] ring, as the [BLOCK_N, D] matrix the MMA reads
-    return ring.index(j % STAGES).reshape([BLOCK_N, D])
-
-
-@gluon.jit
-def _wait(bars, j, STAGES: gl.constexpr):
-    # tile j's copy has landed (its slot's barrier, in the phase of the slot's (j // STAGES)-th use)
-    mbarrier.wait(bars.index(j % STAGES), (j // STAGES) & 1)
 
 
 @gluon.jit
@@ -116,18 +97,16 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-    for i in gl.static_range(V_STAGES):
-        mbarrier.init(v_bars.index(i), count=1)
+    init_barriers(k_bars, STAGES)
+    init_barriers(v_bars, V_STAGES)
     fence_async_shared()
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, m0, h, 0], q_bar, q_smem)
     for i in gl.static_range(STAGES):
-        _load_kv(k_desc, k_ring, k_bars, i, b, hk, n_tiles, BLOCK_N, STAGES)
+        load_rows(k_desc, k_ring, k_bars, i, b, hk, n_tiles, BLOCK_N, STAGES)
     for i in gl.static_range(V_STAGES):
-        _load_kv(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N, V_STAGES)
+        load_rows(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N, V_STAGES)
 
     o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -142,11 +121,11 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
 
     if n_tiles > 0:
         # tile 0: its scores alone, so the loop always has a P to multiply
-        _wait(k_bars, 0, STAGES)
-        s = warpgroup_mma(q, _tile(k_ring, 0, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+        wait(k_bars, 0, STAGES)
+        s = warpgroup_mma(q, slot(k_ring, 0, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        _load_kv(k_desc, k_ring, k_bars, STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
+        load_rows(k_desc, k_ring, k_bars, STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
         if n_full > 0:
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, o_m, Sk, offset, qk_scale, s_layout, False, CAUSAL,
                                                BLOCK_N)
@@ -156,14 +135,14 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
         p = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_tiles):
-            _wait(k_bars, j, STAGES)
-            s = warpgroup_mma(q, _tile(k_ring, j, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+            wait(k_bars, j, STAGES)
+            s = warpgroup_mma(q, slot(k_ring, j, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-            _wait(v_bars, j - 1, V_STAGES)
-            acc = warpgroup_mma(p, _tile(v_ring, j - 1, BLOCK_N, D, V_STAGES), acc, is_async=True)
+            wait(v_bars, j - 1, V_STAGES)
+            acc = warpgroup_mma(p, slot(v_ring, j - 1, BLOCK_N, D, V_STAGES), acc, is_async=True)
             # S_j is done (the older group); P_{j-1} V_{j-1} may still run.  K_j's slot is free.
             s = warpgroup_mma_wait(1, deps=(s, ))
-            _load_kv(k_desc, k_ring, k_bars, j + STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
+            load_rows(k_desc, k_ring, k_bars, j + STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
             if j < n_full:
                 p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
                                                        False, CAUSAL, BLOCK_N)
@@ -171,20 +150,18 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
                 p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
                                                        True, CAUSAL, BLOCK_N)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-            _load_kv(v_desc, v_ring, v_bars, j - 1 + V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
+            load_rows(v_desc, v_ring, v_bars, j - 1 + V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p = gl.convert_layout(p_new.to(dtype), p_layout)
 
         last = n_tiles - 1
-        _wait(v_bars, last, V_STAGES)
-        acc = warpgroup_mma(p, _tile(v_ring, last, BLOCK_N, D, V_STAGES), acc, is_async=True)
+        wait(v_bars, last, V_STAGES)
+        acc = warpgroup_mma(p, slot(v_ring, last, BLOCK_N, D, V_STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
 
     mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-    for i in gl.static_range(V_STAGES):
-        mbarrier.invalidate(v_bars.index(i))
+    invalidate_barriers(k_bars, STAGES)
+    invalidate_barriers(v_bars, V_STAGES)
 
     # fully masked rows (l = 0): o = 0, lse = -inf
     empty = l_i == 0.0
