@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .pipeline import init_barriers, invalidate_barriers, load_rows, slot, wait
+from .pipeline import init_barriers, invalidate_barriers, key_tiles, load_rows, query_block, slot, wait
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -246,15 +246,7 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
                             D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                             num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    n_m = gl.cdiv(Sq, BLOCK_M)
-    pid = gl.program_id(0)
-    if CAUSAL:  # the longest rows first
-        pid = n_m - 1 - pid
-    bh = gl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // group
-    m0 = pid * BLOCK_M
+    b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -263,14 +255,8 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    # key tiles [0, n_tiles); from n_full on they need a mask (causal diagonal, or Sk's end)
-    if CAUSAL:
-        n_end = gl.minimum(Sk, m0 + BLOCK_M + offset)
-        n_full = gl.minimum(gl.maximum(m0 + offset + 1, 0) // BLOCK_N, Sk // BLOCK_N)
-    else:
-        n_end = Sk
-        n_full = Sk // BLOCK_N
-    n_tiles = gl.maximum(gl.cdiv(n_end, BLOCK_N), 0)
+    # key tiles [0, n_tiles); tiles from n_full on need a mask (causal diagonal, or Sk's end)
+    n_tiles, n_full = key_tiles(m0, Sk, offset, BLOCK_M, BLOCK_N, CAUSAL)
 
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)

@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .pipeline import init_barriers, invalidate_barriers, load_rows, slot, wait
+from .pipeline import init_barriers, invalidate_barriers, key_tiles, load_rows, query_block, slot, wait
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -62,15 +62,7 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
                          D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
                          num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    n_m = gl.cdiv(Sq, BLOCK_M)
-    pid = gl.program_id(0)
-    if CAUSAL:  # the longest rows first, so the short ones fill the tail of the wave
-        pid = n_m - 1 - pid
-    bh = gl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // group
-    m0 = pid * BLOCK_M
+    b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
 
     # one warp per 16 rows (a warpgroup per 64); the MMA's N is the whole tile
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -82,13 +74,7 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     # key tiles [0, n_tiles); tiles from n_full on need a mask (causal diagonal, or Sk's end)
-    if CAUSAL:
-        n_end = gl.minimum(Sk, m0 + BLOCK_M + offset)
-        n_full = gl.minimum(gl.maximum(m0 + offset + 1, 0) // BLOCK_N, Sk // BLOCK_N)
-    else:
-        n_end = Sk
-        n_full = Sk // BLOCK_N
-    n_tiles = gl.maximum(gl.cdiv(n_end, BLOCK_N), 0)
+    n_tiles, n_full = key_tiles(m0, Sk, offset, BLOCK_M, BLOCK_N, CAUSAL)
 
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
