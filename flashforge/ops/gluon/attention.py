@@ -13,9 +13,8 @@ import math
 import os
 
 import torch
-import triton
 
-from ..launch import launch
+from ..launch import cdiv, launch
 from ..params import AttnParams
 from ..tma import tma_ready
 
@@ -85,7 +84,7 @@ def attention_forward(q, k, v, params: AttnParams, cfg):
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
     desc = _descriptor
     causal = params.window_right == 0
-    grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+    grid = (cdiv(Sq, cfg.block_m), B * Hq)
     launch(kernel, grid, desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m),
            lse, lse.stride(0), lse.stride(1), Hq, Sq, Sk, Hq // Hkv, params.offset,
            params.scale * math.log2(math.e),
@@ -141,7 +140,7 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg):
     Sk, Hkv = k.shape[1], k.shape[2]
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    grid = (triton.cdiv(Sk, cfg.block_n), B * Hkv)
+    grid = (cdiv(Sk, cfg.block_n), B * Hkv)
     launch(dkdv, grid, _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
                _descriptor(do, cfg.block_m), _descriptor(dk, cfg.block_n), _descriptor(dv, cfg.block_n),
                lse, delta, Hq, Sq, Sk, Hq // Hkv, params.offset, params.scale * math.log2(math.e), params.scale,
@@ -156,7 +155,7 @@ def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg):
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+    grid = (cdiv(Sq, cfg.block_m), B * Hq)
     launch(dq_kernel, grid, _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
                     _descriptor(do, cfg.block_m), _descriptor(dq, cfg.block_m),
                     lse, delta, Hq, Sq, Sk, Hq // Hkv, params.offset, params.scale * math.log2(math.e), params.scale,

@@ -11,11 +11,10 @@ import os
 from typing import Optional
 
 import torch
-import triton
 
 from ..dropout import keep_threshold
 from ..gluon import attention as gluon_attention
-from ..launch import launch
+from ..launch import cdiv, launch, next_power_of_2
 from ..params import AttnParams
 from ..tma import tma_ready
 from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bwd_dq_kernel,
@@ -163,7 +162,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     turns = offsets if rope is None else rope_turns(rope.rotary_dim, float(rope.theta), q.device)
     descs = _tma_descriptors(q, k, v, params, cfg, _padded(D, Dv), interpret)
     k_desc, v_desc = descs if descs is not None else (k, v)
-    grid = (triton.cdiv(rows, cfg.block_m) * splits, B * heads)
+    grid = (cdiv(rows, cfg.block_m) * splits, B * heads)
     launch(attn_fwd_kernel, grid,
         q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns, k_desc, v_desc,
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
@@ -182,7 +181,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
             o_out, lse_out, o, lse,
             o_out.stride(0), o_out.stride(1), o_out.stride(2), o_out.stride(3),
             o.stride(0), o.stride(1), o.stride(2),
-            lse_out.stride(0), Hq, Sq, splits, Dv, BLOCK_S=min(64, triton.next_power_of_2(splits)),
+            lse_out.stride(0), Hq, Sq, splits, Dv, BLOCK_S=min(64, next_power_of_2(splits)),
             BLOCK_DV=_padded(Dv, Dv),
         )
     return o, lse
@@ -207,7 +206,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     delta = torch.empty_like(lse)
-    launch(attn_bwd_preprocess_kernel, (triton.cdiv(max_sq, cfg_q.block_m), B * Hq),
+    launch(attn_bwd_preprocess_kernel, (cdiv(max_sq, cfg_q.block_m), B * Hq),
         o, do, dlse if dlse is not None else delta, delta, cu_q,
         *_bshd_strides(o, vl), *_bshd_strides(do, vl), Hq, Sq, Dv,
         HAS_DLSE=dlse is not None, IS_VARLEN=vl, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
@@ -234,7 +233,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else q
-        launch(attn_bwd_dkdv_kernel, (triton.cdiv(max_sk, cfg_kv.block_n), B * Hkv),
+        launch(attn_bwd_dkdv_kernel, (cdiv(max_sk, cfg_kv.block_n), B * Hkv),
             q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t, dq_acc,
             *strides_qkvdo, *_bshd_strides(dk, vl), *_bshd_strides(dv, vl), *m_strides, s_ab, s_ah,
             *_bshd_strides(dq_acc, vl), Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
@@ -246,7 +245,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q)
     else:
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        launch(attn_bwd_dq_kernel, (triton.cdiv(max_sq, cfg_q.block_m), B * Hq),
+        launch(attn_bwd_dq_kernel, (cdiv(max_sq, cfg_q.block_m), B * Hq),
             q, k, v, do, lse, delta, dq, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
             *strides_qkvdo, *_bshd_strides(dq, vl), *m_strides, s_ab, s_ah,
             Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
@@ -258,7 +257,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         Bm, Hm, Sqm, Skm = mask.shape
         dmask = torch.empty(Bm, Hm, Sqm, Skm, dtype=torch.float32, device=q.device)
         m_bcast, n_bcast = Sqm == 1 and Sq > 1, Skm == 1 and Sk > 1
-        grid = (triton.cdiv(Sqm, cfg_q.block_m), triton.cdiv(Skm, cfg_q.block_n), Bm * Hm)
+        grid = (cdiv(Sqm, cfg_q.block_m), cdiv(Skm, cfg_q.block_n), Bm * Hm)
         launch(attn_bwd_dmask_kernel, grid,
             q, k, v, do, lse, delta, dmask, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
             *strides_qkvdo, *m_strides, s_ab, s_ah, *dmask.stride(),

@@ -13,7 +13,6 @@ import json
 import os
 from dataclasses import dataclass, replace
 
-import triton
 
 
 @dataclass(frozen=True)
@@ -159,7 +158,7 @@ _from_env = _load_env_file()
 
 def head_dim_block(d: int) -> int:
     """Padded head dim: the next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def _bucket(head_dim: int) -> int:
