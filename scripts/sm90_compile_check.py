@@ -179,7 +179,10 @@ def record(quick: bool):
         # the Gluon backward's variants (the table's own run above): one tile at a time, three-slot
         # rings, 32-query tiles (dK/dV), 128-key tiles (dQ), a one-slot V ring in the dQ kernel
         for over in (dict(overlap=False), dict(num_stages=3), dict(block_m=32), dict(block_m=32, num_stages=3),
-                     dict(block_n=128), dict(v_stages=1, num_stages=3)):
+                     dict(block_n=128), dict(v_stages=1, num_stages=3),
+                     # two warpgroups per program: 128 resident keys (dK/dV) or queries (dQ)
+                     dict(block_m=128, block_n=128, num_warps=8, overlap=False),
+                     dict(block_m=64, block_n=128, num_warps=8, overlap=False)):
             launchers.get_config = lambda kind, d, e, interpret, over=over, **kw: replace(
                 configs.gluon_config(d, e, False, cap, kind) or configs.TileConfig(64, 64, 4, 2, gluon=True), **over) \
                 if kind.startswith("bwd") else real_get(kind, d, e, False, **kw)
