@@ -93,19 +93,21 @@ def attention_forward(q, k, v, params: AttnParams, cfg):
     return o, lse
 
 
-def bwd_in_scope(kind: str, q, k, v, do, lse, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> bool:
-    """Whether the Gluon backward kernel `kind` ("bwd_kv": dK/dV, "bwd_q": dQ) computes this
-    call's share: the forward's scope (at least 64 queries), dO
-    readable by the copy engine, a dense lse, and one warp per 16 rows of the kernel's
-    resident block (keys for dK/dV, queries for dQ)."""
+def bwd_call_in_scope(q, k, v, do, lse, mask, params: AttnParams, arch: tuple[int, int]) -> bool:
+    """Whether the Gluon backward kernels may compute this call (each then also needs
+    `bwd_tiles_fit`): the forward's scope with at least 64 queries, dO in q's dtype and readable
+    by the copy engine, a dense lse."""
     if not _scores_in_scope(q, k, v, mask, params, arch) or not lse.is_contiguous() or do.dtype != q.dtype:
         return False
     if q.shape[1] < 64:  # as the forward; and with Sq = 1 (an integer Triton specializes) triton 3.6 fails to compile
         return False
-    rows = cfg.block_n if kind == "bwd_kv" else cfg.block_m
-    if rows != 16 * cfg.num_warps:
-        return False
     return _bwd_kernels() is not None and _kernel() is not None and all(tma_ready(t) for t in (q, k, v, do))
+
+
+def bwd_tiles_fit(kind: str, cfg) -> bool:
+    """One warp per 16 rows of the kernel's resident block: keys for "bwd_kv" (dK/dV), queries
+    for "bwd_q" (dQ)."""
+    return (cfg.block_n if kind == "bwd_kv" else cfg.block_m) == 16 * cfg.num_warps
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,8 +135,8 @@ def _descriptor(t, rows):
 
 
 def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg):
-    """dK, dV [B, Sk, Hkv, D] for a call `bwd_in_scope("bwd_kv", ...)` accepts; delta from the
-    portable preprocess kernel."""
+    """dK, dV [B, Sk, Hkv, D] for a call in the Gluon backward's scope (`bwd_call_in_scope`,
+    `bwd_tiles_fit`); delta from the portable preprocess kernel."""
     dkdv, _ = _bwd_kernels()
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -150,7 +152,7 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg):
 
 
 def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg):
-    """dQ [B, Sq, Hq, D] for a call `bwd_in_scope("bwd_q", ...)` accepts."""
+    """dQ [B, Sq, Hq, D] for a call in the Gluon backward's scope."""
     _, dq_kernel = _bwd_kernels()
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]

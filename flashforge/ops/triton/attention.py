@@ -218,10 +218,12 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         arch = _arch(q)
         g_kv = cfg_kv if cfg_kv.gluon else gluon_config(max(D, Dv), q.element_size(), False, arch, "bwd_kv")
         g_q = cfg_q if cfg_q.gluon else gluon_config(max(D, Dv), q.element_size(), False, arch, "bwd_q")
-        g_kv = g_kv if g_kv is not None and gluon_attention.bwd_in_scope(
-            "bwd_kv", q, k, v, do, lse, mask, params, g_kv, arch) else None
-        g_q = g_q if g_q is not None and gluon_attention.bwd_in_scope(
-            "bwd_q", q, k, v, do, lse, mask, params, g_q, arch) else None
+        wanted = g_kv is not None or g_q is not None
+        if wanted and gluon_attention.bwd_call_in_scope(q, k, v, do, lse, mask, params, arch):
+            g_kv = g_kv if g_kv is not None and gluon_attention.bwd_tiles_fit("bwd_kv", g_kv) else None
+            g_q = g_q if g_q is not None and gluon_attention.bwd_tiles_fit("bwd_q", g_q) else None
+        else:
+            g_kv = g_q = None
 
     strides_qkvdo = (*_bshd_strides(q, vl), *_bshd_strides(k, vl), *_bshd_strides(v, vl), *_bshd_strides(do, vl))
     # fused: dQ summed by atomics inside the dK/dV kernel (order varies: never when asked
