@@ -13,6 +13,8 @@ import json
 import os
 from dataclasses import dataclass, replace
 
+from ..launch import next_power_of_2
+
 
 
 @dataclass(frozen=True)
@@ -158,12 +160,22 @@ _from_env = _load_env_file()
 
 def head_dim_block(d: int) -> int:
     """Padded head dim: the next power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, 1 << (d - 1).bit_length())
+    return max(16, next_power_of_2(d))
 
 
 def _bucket(head_dim: int) -> int:
     """The table's head-dim bucket: 64, 128 or 256."""
     return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+def _lookup(keys, arch) -> TileConfig | None:
+    """The first of `keys` found, by source (set_config, then the $FLASHFORGE_TILE_CONFIGS file,
+    then the arch's table), earlier keys first within a source; None if none is."""
+    for source in (_overrides, _from_env, _TABLES.get(tuple(arch), _GENERIC)):
+        for key in keys:
+            if key in source:
+                return source[key]
+    return None
 
 
 def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal: bool = False,
@@ -177,11 +189,10 @@ def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal
     keys = [(kind, bucket, elem_size)]
     if causal and kind == "fwd":
         keys.insert(0, ("fwd_causal", bucket, elem_size))
-    for source in (_overrides, _from_env, _TABLES.get(tuple(arch), _GENERIC)):
-        for key in keys:
-            if key in source:
-                return source[key]
-    raise KeyError(keys[-1])
+    cfg = _lookup(keys, arch)
+    if cfg is None:
+        raise KeyError(keys[-1])
+    return cfg
 
 
 def gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, int],
@@ -198,11 +209,7 @@ def gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, i
     keys = [(kind + "_gluon", bucket, elem_size)]
     if causal and kind == "fwd":
         keys.insert(0, ("fwd_gluon_causal", bucket, elem_size))
-    for source in (_overrides, _from_env, _TABLES.get(tuple(arch), _GENERIC)):
-        for key in keys:
-            if key in source:
-                return source[key]
-    return None
+    return _lookup(keys, arch)
 
 
 def with_mask(kind: str, cfg: TileConfig) -> TileConfig:
