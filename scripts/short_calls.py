@@ -13,7 +13,7 @@ import torch
 import triton.testing
 
 import flashforge
-from flashforge.ops.triton import configs
+from flashforge.ops import launch
 
 
 def host_us(fn, n=20):
@@ -73,24 +73,16 @@ def main():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     torch.autograd.grad(sdpa(*tl, is_causal=causal), tl, dot)
 
-            def gluon_fwd():  # D = 128 causal below 2k keys: the table picks the portable forward
-                configs.set_config("fwd_causal", 128, 2, configs.TileConfig(64, 128, 4, 2, gluon=True, v_stages=1))
-                try:
-                    ours_fwd()
-                finally:
-                    configs.set_config("fwd_causal", 128, 2, None)
-
             runs = [("ours", ours_fwd, flops), ("cudnn", cudnn_fwd, flops),
                     ("ours", ours_fb, 3.5 * flops), ("cudnn", cudnn_fb, 3.5 * flops)]
-            if D == 128 and causal:
-                runs.insert(1, ("gluon", gluon_fwd, flops))
             for name, fn, f in runs:
-                pas = "fwd" if fn in (ours_fwd, cudnn_fwd, gluon_fwd) else "fwd+bwd"
+                pas = "fwd" if fn in (ours_fwd, cudnn_fwd) else "fwd+bwd"
                 eager = triton.testing.do_bench(fn, warmup=10, rep=50)
                 graph = graph_ms(fn)
                 h = host_us(fn)
                 print(f"D={D} S={S}{' causal' if causal else '':7s} {pas:7s} {name:6s} {eager:9.3f} {graph:9.3f} "
                       f"{h:8.1f} {f / eager * 1e-9:10.0f} {f / graph * 1e-9:10.0f}", flush=True)
+    print(f"launch cache: enabled={launch.ENABLED}, launches served from it: {launch.hits}")
 
 
 if __name__ == "__main__":
