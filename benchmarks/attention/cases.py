@@ -174,9 +174,13 @@ def varlen_lengths(n: int = 16, total: int = TOKENS, seed: int = 0, min_len: int
 
 
 def varlen_cases(dtype: str = "bfloat16") -> list:
+    """16 random lengths (16k tokens), and 4 equal ones of 4k: there the padded batch is the dense
+    B = 4, S = 4k batch itself, so ours / ours-pad is what packing costs on equal total tokens."""
     lens = varlen_lengths(16, TOKENS)
-    return [Case("varlen", mode, len(lens), max(lens), max(lens), 16, 16, 128, dtype, causal=causal, seqlens=lens,
-                 peers=("varlen_attn", "flex", "ours_padded"))
+    equal = (TOKENS // 4,) * 4
+    return [Case("varlen", mode, len(ls), max(ls), max(ls), 16, 16, 128, dtype, causal=causal, seqlens=ls,
+                 peers=("varlen_attn", "flex", "ours_padded"), name=name and name + (" causal" if causal else ""))
+            for ls, name in ((lens, ""), (equal, "varlen 4 x 4k (equal)"))
             for causal in (False, True) for mode in ("fwd", "fwdbwd")]
 
 

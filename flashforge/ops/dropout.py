@@ -2,13 +2,17 @@
 
 Entry (b, h, i, j) of a [B, H, Sq, Sk] attention matrix is *kept* iff
 
-    philox4x32_10(key=(seed_lo, seed_hi), counter=(j >> 2, i, b*H + h, 0))[j & 3]
-        >= threshold(p)
+    w = philox4x32_10(key=(seed_lo, seed_hi), counter=(j >> 3, i, b*H + h, 0))[(j & 7) >> 1]
+    half(w, j & 1) >= threshold(p)
 
-with ``threshold(p) = floor(p * 2**32)`` compared as unsigned 32-bit integers.
-One Philox call yields four words, so a kernel draws one call per four keys.
-Integer comparison (not a float in [0, 1)) keeps the mask bit-identical
-between the Triton kernels, the Triton interpreter and this PyTorch code.
+where ``half(w, 0)`` is w's low 16 bits, ``half(w, 1)`` its high 16 bits, and
+``threshold(p) = floor(p * 2**16)``.  One Philox call (four 32-bit words) thus
+serves eight keys: the generator is the dropout's main cost in the kernels (ten
+rounds of two wide multiplies per call, regenerated in each backward kernel), and
+16-bit draws halve it.  The keep probability is ``1 - threshold / 2**16``, within
+2**-16 of ``1 - p`` (flash-attn draws 8-bit).  Integer comparison (not a float in
+[0, 1)) keeps the mask bit-identical between the Triton kernels, the Triton
+interpreter and this PyTorch code.
 
 This module is the PyTorch implementation (CPU path, tests, the public
 `dropout_mask`); `flashforge.ops.triton.dropout` is its Triton twin.
@@ -26,8 +30,8 @@ _M32 = 0xFFFFFFFF
 
 
 def keep_threshold(p: float) -> int:
-    """Unsigned 32-bit threshold: a word >= it is kept (probability ~ 1 - p)."""
-    return min(int(p * 4294967296.0), _M32)
+    """Unsigned 16-bit threshold: a half-word >= it is kept (probability ~ 1 - p)."""
+    return min(int(p * 65536.0), 0xFFFF)
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -64,17 +68,18 @@ def keep_block(seed: int, p: float, bh: torch.Tensor, rows: torch.Tensor, c0: in
 
     ``bh`` is b*H + h and ``rows`` the query indices, integer tensors (any
     device) broadcastable together; the result is a bool tensor of their
-    broadcast shape plus a last dim of c1 - c0.  One Philox call serves four
+    broadcast shape plus a last dim of c1 - c0.  One Philox call serves eight
     consecutive keys, as in the Triton kernels.
     """
     bh = (bh.to(torch.int64) & _M32).unsqueeze(-1)
     rows = (rows.to(torch.int64) & _M32).unsqueeze(-1)
-    g0, g1 = c0 >> 2, (c1 + 3) >> 2
-    groups = torch.arange(g0, g1, dtype=torch.int64, device=rows.device)  # counter c0 = j >> 2
+    g0, g1 = c0 >> 3, (c1 + 7) >> 3
+    groups = torch.arange(g0, g1, dtype=torch.int64, device=rows.device)  # counter c0 = j >> 3
     zero = torch.zeros((), dtype=torch.int64, device=rows.device)
-    words = torch.stack(philox4x32(seed, groups, rows, bh, zero), dim=-1)  # [..., groups, 4]: key 4g + lane
-    words = words.flatten(-2)[..., c0 - 4 * g0:c1 - 4 * g0]
-    return words >= keep_threshold(p)
+    words = torch.stack(philox4x32(seed, groups, rows, bh, zero), dim=-1)  # [..., groups, 4]
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1)  # [..., groups, 4, 2]: key 8g + 2w + half
+    halves = halves.flatten(-3)[..., c0 - 8 * g0:c1 - 8 * g0]
+    return halves >= keep_threshold(p)
 
 
 def dropout_mask(seed: int, B: int, H: int, Sq: int, Sk: int, p: float,
