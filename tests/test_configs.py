@@ -20,6 +20,18 @@ def test_causal_entry_takes_precedence_and_falls_back():
     assert configs.get_config("bwd_q", 64, 2, False, causal=True) == configs._TABLE[("bwd_q", 64, 2)]
 
 
+def test_dropout_entry_serves_the_dkdv_kernel_only():
+    """A call with dropout takes the "bwd_kv_dropout" entry (the fused dQ at D = 128: one pass
+    of the mask's generator instead of two), where there is one; nothing else changes."""
+    fused = configs.get_config("bwd_kv", 128, 2, False, dropout=True)
+    assert fused == configs._SM90[("bwd_kv_dropout", 128, 2)] and fused.fused_dq
+    assert not configs.get_config("bwd_kv", 128, 2, False).fused_dq
+    assert configs.get_config("bwd_kv", 64, 2, False, dropout=True) == configs._SM90[("bwd_kv", 64, 2)]
+    assert configs.get_config("bwd_q", 128, 2, False, dropout=True) == configs._SM90[("bwd_q", 128, 2)]
+    assert configs.get_config("bwd_kv", 128, 2, False, dropout=True, arch=(8, 0)) == configs._GENERIC[("bwd_kv", 128, 2)]
+    assert configs.get_config("bwd_kv", 128, 2, True, dropout=True) == configs._INTERPRETER
+
+
 def test_set_config_beats_the_table_even_for_causal_calls():
     cfg = TileConfig(32, 32, 4, 1)
     configs.set_config("fwd", 128, 2, cfg)
@@ -90,7 +102,7 @@ def test_other_architectures_get_the_generic_table():
     assert configs.get_config("fwd", 128, 2, False, arch=(9, 0)) == configs._SM90[("fwd", 128, 2)]
     # every kind, bucket and dtype has a generic entry, and none of them asks for TMA or
     # Gluon (sm_90 only: the Gluon forward has no generic entries)
-    assert ({k for k in configs._SM90 if not k[0].endswith("_causal") and not k[0].endswith("_gluon")}
+    assert ({k for k in configs._SM90 if not k[0].endswith(("_causal", "_gluon", "_dropout"))}
             == set(configs._GENERIC))
     assert not any(c.tma or c.ws or c.fused_dq or c.gluon for c in configs._GENERIC.values())
     for arch in [(8, 0), (10, 0)]:

@@ -193,7 +193,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     B, max_sq, max_sk = _batch_and_lengths(q, k, params)
     vl = params.is_varlen
     interpret = _interpreting(q)
-    cfg_kv = get_config("bwd_kv", max(D, Dv), q.element_size(), interpret, arch=_arch(q))
+    cfg_kv = get_config("bwd_kv", max(D, Dv), q.element_size(), interpret, arch=_arch(q), dropout=params.has_dropout)
     cfg_q = get_config("bwd_q", max(D, Dv), q.element_size(), interpret, arch=_arch(q))
     if mask is not None:
         cfg_kv, cfg_q = with_mask("bwd_kv", cfg_kv), with_mask("bwd_q", cfg_q)
