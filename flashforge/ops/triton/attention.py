@@ -116,6 +116,17 @@ def _bshd_strides(x: torch.Tensor, varlen: bool = False):
     return 0 if varlen else x.stride(0), x.stride(1), x.stride(2)
 
 
+def _longest_first(params: AttnParams, dummy: torch.Tensor) -> torch.Tensor:
+    """A packed batch's sequence indices, longest (query rows, then keys) first: the kernels
+    take their programs' sequences in this order so that long sequences do not start last
+    and leave a tail (estimated 3-8% of a 16-sequence batch).  On the device: no host sync."""
+    if not params.is_varlen:
+        return dummy
+    cu_q, cu_k = params.cu_seqlens_q.to(torch.int64), params.cu_seqlens_k.to(torch.int64)
+    work = (cu_q[1:] - cu_q[:-1]) * (cu_k[1:] - cu_k[:-1] + 1)  # score tiles, roughly
+    return torch.argsort(work, descending=True, stable=True).to(torch.int32)
+
+
 def _batch_and_lengths(q, k, params: AttnParams):
     """(B, longest Sq, longest Sk): the grid's extent."""
     if params.is_varlen:
@@ -165,6 +176,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     grid = (cdiv(rows, cfg.block_m) * splits, B * heads)
     launch(attn_fwd_kernel, grid,
         q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns, k_desc, v_desc,
+        _longest_first(params, offsets),
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
         *m_strides, s_ab, s_ah, *paging, *split_strides, splits,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
@@ -205,6 +217,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BD, BLOCK_DV=BD,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
+    order = _longest_first(params, offsets)
     delta = torch.empty_like(lse)
     launch(attn_bwd_preprocess_kernel, (cdiv(max_sq, cfg_q.block_m), B * Hq),
         o, do, dlse if dlse is not None else delta, delta, cu_q,
@@ -236,7 +249,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else q
         launch(attn_bwd_dkdv_kernel, (cdiv(max_sk, cfg_kv.block_n), B * Hkv),
-            q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t, dq_acc,
+            q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t, dq_acc, order,
             *strides_qkvdo, *_bshd_strides(dk, vl), *_bshd_strides(dv, vl), *m_strides, s_ab, s_ah,
             *_bshd_strides(dq_acc, vl), Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv), FUSED_DQ=fused,
@@ -248,7 +261,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     else:
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         launch(attn_bwd_dq_kernel, (cdiv(max_sq, cfg_q.block_m), B * Hq),
-            q, k, v, do, lse, delta, dq, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
+            q, k, v, do, lse, delta, dq, mask_t, offsets, alibi, cu_q, cu_k, seed_t, order,
             *strides_qkvdo, *_bshd_strides(dq, vl), *m_strides, s_ab, s_ah,
             Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_q),

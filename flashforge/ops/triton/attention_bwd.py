@@ -18,7 +18,7 @@ dS = P * (dP' - delta) where dP' is dO V^T with the dropout mask applied.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, full_key_range, full_query_range, key_range, load_offset, load_slope, load_tile,
+from .common import (LOG2E, batch_head, full_key_range, full_query_range, key_range, load_offset, load_slope, load_tile,
                      lse_row0, query_range, score_tile, seq_bounds)
 from .dropout import dropout_keep
 
@@ -150,7 +150,7 @@ def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, m_lo, m_hi, o_n, 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED, DQ_ACC,
+    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED, DQ_ACC, ORDER,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -174,9 +174,7 @@ def attn_bwd_dkdv_kernel(
     if SEED_FROM_PTR:  # an unseeded call: the seed was drawn on the device
         seed = tl.load(SEED)
     pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
-    b = bhk // Hkv
-    hk = bhk % Hkv
+    b, hk = batch_head(ORDER, tl.program_id(1), Hkv, IS_VARLEN)
     b64 = b.to(tl.int64)
     n_start = pid_n * BLOCK_N
     o_n = n_start + tl.arange(0, BLOCK_N)
@@ -278,7 +276,7 @@ def _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, n_lo, n_hi, o_m, o_d, o_dv, b, h
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED,
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED, ORDER,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -298,9 +296,8 @@ def attn_bwd_dq_kernel(
     pid_m = tl.program_id(0)
     if HAS_WR:  # causal-like: the longest query blocks (the last ones) first
         pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
+    b, h = batch_head(ORDER, tl.program_id(1), Hq, IS_VARLEN)
+    bh = b * Hq + h
     hk = h // GROUP
     b64 = b.to(tl.int64)
     m_start = pid_m * BLOCK_M

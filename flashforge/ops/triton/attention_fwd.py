@@ -6,8 +6,8 @@ constexpr flag of this one kernel.
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, exp2_split, full_key_range, key_range, key_rows, load_offset, load_slope, load_tile,
-                     lse_row0, score_tile, seq_bounds)
+from .common import (LN2, LOG2E, batch_head, exp2_split, full_key_range, key_range, key_rows, load_offset, load_slope,
+                     load_tile, lse_row0, score_tile, seq_bounds)
 from .dropout import dropout_keep
 from .rope import rope_cos_sin, rope_partner, rope_rotate
 
@@ -99,7 +99,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K, BT, SEED, TURNS, K_DESC, V_DESC,
+    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K, BT, SEED, TURNS, K_DESC, V_DESC, ORDER,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -143,16 +143,13 @@ def attn_fwd_kernel(
     m_start = pid_m * BLOCK_M
     r = m_start + tl.arange(0, BLOCK_M)
     if PACK_GQA:
-        bhk = tl.program_id(1)
-        b = bhk // (Hq // GROUP)
-        hk = bhk % (Hq // GROUP)
+        b, hk = batch_head(ORDER, tl.program_id(1), Hq // GROUP, IS_VARLEN)
         h = hk * GROUP + (r % GROUP)  # [BM]: each row's query head
         o_m = r // GROUP  # [BM]: each row's query position
         rows_total = Sq * GROUP
     else:
-        bh = tl.program_id(1)
-        b = bh // Hq
-        h = bh % Hq
+        b, h = batch_head(ORDER, tl.program_id(1), Hq, IS_VARLEN)
+        bh = b * Hq + h
         hk = h // GROUP
         o_m = r
         rows_total = Sq

@@ -112,6 +112,20 @@ def exp2_split(x, POLY: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def batch_head(ORDER, pid, H, IS_VARLEN: tl.constexpr):
+    """(b, h) of the grid's axis-1 index pid over (batch, H heads).  A packed batch takes
+    its sequences longest first (ORDER: batch indices sorted by length, descending), so
+    that the grid's tail is made of short sequences; the GPU starts programs in index order."""
+    i = pid // H
+    h = pid % H
+    if IS_VARLEN:
+        b = tl.load(ORDER + i)
+    else:
+        b = i
+    return b, h
+
+
+@triton.jit
 def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr, HAS_SEQLENS_K: tl.constexpr = False):
     """(q_start, Sq_b, k_start, Sk_b): where sequence b's rows start in the packed
     tensors and how many there are.  Dense batches: (0, Sq, 0, Sk); with
