@@ -189,6 +189,12 @@ def record(quick: bool):
             for D in (64, 128):
                 run(D=D, window_right=0)
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
+    # packed (varlen) batches: the table's Gluon kernels through ragged descriptors on sm_90
+    cu = torch.tensor([0, 150, 256], dtype=torch.int32)
+    for D in (64, 128):
+        for causal in (dict(), dict(window_right=0, offset_bottom_right=True)):
+            run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
+                **causal)
     run(mask=torch.randn(2, 1, 128, 128), softcap=5.0)
     run(D=128, mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=5)  # the table's widest tiles, masked
     # the fused backward (dQ by atomics in the dK/dV kernel), opt-in per tile config

@@ -110,7 +110,9 @@ def test_other_suites():
     lens = varlen_lengths(16, 16384)
     assert len(lens) == 16 and sum(lens) == 16384 and min(lens) >= 128 and len(set(lens)) > 1
     assert lens == varlen_lengths(16, 16384)  # reproducible
-    assert [c.seqlens for c in varlen_cases()] == [lens] * 4
+    # the random lengths, then 4 x 4k: the padded batch of those is the dense B = 4, S = 4k batch
+    assert [c.seqlens for c in varlen_cases()] == [lens] * 4 + [(4096,) * 4] * 4
+    assert len({(c.label, c.mode) for c in varlen_cases()}) == 8
 
     mem = memory_cases()
     assert [(c.B, c.Sq, c.Hq, c.D, c.causal, c.mode) for c in mem] == [(1, 131072, 16, 128, True, "memory")]

@@ -48,58 +48,74 @@ def _kernel():
 
 
 def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> bool:
-    """sm_90, dense bf16/fp16 with D = Dv in {64, 128}, plain or causal scores (an integer
-    offset): no mask, bias, dropout, softcap, ALiBi, window, RoPE, KV cache or split keys."""
+    """sm_90, bf16/fp16 with D = Dv in {64, 128}, dense or packed (varlen), plain or causal
+    scores (an integer offset, or bottom-right aligned): no mask, bias, dropout, softcap, ALiBi,
+    window, RoPE, KV cache or split keys; at least 64 query rows (the longest sequence's, when
+    packed: decoding-sized query blocks take the portable kernel, which packs GQA groups; and
+    with Sq = 1, an integer Triton specializes, triton 3.6 fails to compile the dK/dV kernel)."""
     p = params
     if tuple(arch) != (9, 0) or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if q.shape[3] not in _HEAD_DIMS or v.shape[3] != q.shape[3]:
         return False
-    return not (mask is not None or p.is_varlen or p.seqlens_k is not None or p.block_table is not None
+    if (p.max_seqlen_q if p.is_varlen else q.shape[1]) < 64:
+        return False
+    return not (mask is not None or p.seqlens_k is not None or p.block_table is not None
                 or p.num_splits > 1 or p.q_rope is not None or p.softcap > 0 or p.alibi_slopes is not None
-                or p.dropout_p > 0 or p.offset_tensor is not None or p.offset_bottom_right
+                or p.dropout_p > 0 or p.offset_tensor is not None
                 or p.window_left >= 0 or p.window_right > 0 or not p.scale > 0)
 
 
 def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> bool:
-    """Whether the Gluon forward computes this call: sm_90, dense bf16/fp16 with D = Dv in
-    {64, 128}, tensors the copy engine can read, plain or causal scores (an integer offset),
-    no mask, bias, dropout, softcap, ALiBi, window, RoPE, KV cache or split keys; and tiles
-    of one warp per 16 query rows, and at least `cfg.min_keys` keys."""
+    """Whether the Gluon forward computes this call: `_scores_in_scope`, tensors the copy engine
+    can read, tiles of one warp per 16 query rows, and at least `cfg.min_keys` keys."""
     if not _scores_in_scope(q, k, v, mask, params, arch):
         return False
-    if q.shape[1] < 64:  # decoding-sized query blocks: the portable kernel packs GQA groups
-        return False
-    if k.shape[1] < cfg.min_keys or cfg.block_m != 16 * cfg.num_warps:
+    if (params.max_seqlen_k if params.is_varlen else k.shape[1]) < cfg.min_keys or cfg.block_m != 16 * cfg.num_warps:
         return False
     return _kernel() is not None and all(tma_ready(t) for t in (q, k, v))
 
 
-def attention_forward(q, k, v, params: AttnParams, cfg):
-    """o [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32) for a call `in_scope` accepts."""
+def _sequences(q, k, params: AttnParams, order, lse):
+    """The kernels' batch arguments: (B, descriptor builder, lse strides (batch, head), CU_Q, CU_K,
+    ORDER, Sq, Sk, offset, bottom_right).  Dense: Sq, Sk are the lengths and a bottom-right
+    alignment is folded into the offset.  Packed ([1, total, H, D], lse [1, Hq, total]): the
+    longest lengths (the grid's extent; each program reads its sequence's own), the
+    sequences in `order`, and ragged descriptors."""
+    if params.is_varlen:
+        return (params.cu_seqlens_q.shape[0] - 1, _ragged_descriptor, 0, lse.stride(1), params.cu_seqlens_q,
+                params.cu_seqlens_k, order, params.max_seqlen_q, params.max_seqlen_k, params.offset,
+                int(params.offset_bottom_right))
+    Sq, Sk = q.shape[1], k.shape[1]
+    offset = params.offset + (Sk - Sq if params.offset_bottom_right else 0)
+    return q.shape[0], _descriptor, lse.stride(0), lse.stride(1), lse, lse, lse, Sq, Sk, offset, 0
+
+
+def attention_forward(q, k, v, params: AttnParams, cfg, order=None):
+    """o [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32) for a call `in_scope` accepts (packed:
+    [1, total, Hq, D] and [1, Hq, total]; `order`, the sequences longest first)."""
     kernel = _kernel()[0]
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    _, total, Hq, D = q.shape
+    Hkv = k.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
-    desc = _descriptor
+    lse = torch.empty(q.shape[0], Hq, total, dtype=torch.float32, device=q.device)
+    B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, offset, br = _sequences(q, k, params, order, lse)
     causal = params.window_right == 0
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
     launch(kernel, grid, desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m),
-           lse, lse.stride(0), lse.stride(1), Hq, Sq, Sk, Hq // Hkv, params.offset,
+           lse, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, Hq // Hkv, offset, br,
            params.scale * math.log2(math.e),
            CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages),
-           V_STAGES=cfg.v_stages or max(2, cfg.num_stages), Q_IN_REGS=_Q_IN_REGS, num_warps=cfg.num_warps)
+           V_STAGES=cfg.v_stages or max(2, cfg.num_stages), Q_IN_REGS=_Q_IN_REGS, VARLEN=params.is_varlen,
+           num_warps=cfg.num_warps)
     return o, lse
 
 
 def bwd_call_in_scope(q, k, v, do, lse, mask, params: AttnParams, arch: tuple[int, int]) -> bool:
     """Whether the Gluon backward kernels may compute this call (each then also needs
-    `bwd_tiles_fit`): the forward's scope with at least 64 queries, dO in q's dtype and readable
-    by the copy engine, a dense lse."""
+    `bwd_tiles_fit`): the forward's scope, dO in q's dtype and readable by the copy engine, a
+    contiguous lse."""
     if not _scores_in_scope(q, k, v, mask, params, arch) or not lse.is_contiguous() or do.dtype != q.dtype:
-        return False
-    if q.shape[1] < 64:  # as the forward; and with Sq = 1 (an integer Triton specializes) triton 3.6 fails to compile
         return False
     return _bwd_kernels() is not None and _kernel() is not None and all(tma_ready(t) for t in (q, k, v, do))
 
@@ -111,9 +127,9 @@ def bwd_tiles_fit(kind: str, cfg) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _layout():
-    """The shared-memory layout of every tile (128-byte swizzle, 16-bit), built once."""
-    return _kernel()[1].NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+def _layout(rank=4):
+    """The shared-memory layout of every tile (128-byte swizzle, 16-bit), built once per rank."""
+    return _kernel()[1].NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=rank)
 
 
 def _descriptor(t, rows):
@@ -124,9 +140,33 @@ def _descriptor(t, rows):
     strides, unit last stride, power-of-two box) are what `tma_ready` and the tile table
     already guarantee, and a training step builds 15 descriptors (host time: the S = 1k rows
     of the benchmark are host-bound on the device's CPU)."""
+    return _unchecked_descriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[3]], _layout())
+
+
+RAGGED = 2**30  # pipeline.RAGGED: the ragged descriptors' row extent
+
+
+def ragged_shape_strides(t):
+    """(shape, strides) of the 5-D ragged descriptor over a packed [1, total, H, D] tensor.
+    Element (RAGGED, start + n, RAGGED - n + r, h, d) is row start + r of the sequence
+    [start, start + n): the first two strides sum to 2**34 elements, which wrap to nothing (the
+    copy engine's addresses are 64-bit, and RAGGED * 2**34 = 2**64), and the third coordinate is
+    in bounds (< RAGGED) exactly when r < n."""
+    rs = t.stride(1)
+    big = 0x7FFF0000
+    return [big, big, RAGGED, t.shape[2], t.shape[3]], [2**34 - rs, rs, rs, t.stride(2), 1]
+
+
+def _ragged_descriptor(t, rows):
+    """A 5-D box [1, 1, rows, 1, D] over a packed [1, total, H, D] tensor (pipeline.py's ragged
+    addressing): rows past each sequence's end are zero-filled and clipped, as above."""
+    shape, strides = ragged_shape_strides(t)
+    return _unchecked_descriptor(t, shape, strides, [1, 1, rows, 1, t.shape[3]], _layout(5))
+
+
+def _unchecked_descriptor(t, shape, strides, block_shape, layout):
     TensorDescriptor = _kernel()[2]
-    fields = dict(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, rows, 1, t.shape[3]],
-                  layout=_layout(), padding="zero")
+    fields = dict(base=t, shape=shape, strides=strides, block_shape=block_shape, layout=layout, padding="zero")
     d = object.__new__(TensorDescriptor)
     if not hasattr(d, "__dict__"):  # a Triton whose descriptor has slots: the checked constructor
         return TensorDescriptor(**fields)
@@ -134,34 +174,36 @@ def _descriptor(t, rows):
     return d
 
 
-def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg):
+def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None):
     """dK, dV [B, Sk, Hkv, D] for a call in the Gluon backward's scope (`bwd_call_in_scope`,
     `bwd_tiles_fit`); delta from the portable preprocess kernel."""
     dkdv, _ = _bwd_kernels()
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, offset, br = _sequences(q, k, params, order, lse)
     grid = (cdiv(Sk, cfg.block_n), B * Hkv)
-    launch(dkdv, grid, _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
-               _descriptor(do, cfg.block_m), _descriptor(dk, cfg.block_n), _descriptor(dv, cfg.block_n),
-               lse, delta, Hq, Sq, Sk, Hq // Hkv, params.offset, params.scale * math.log2(math.e), params.scale,
-               CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
-               STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, num_warps=cfg.num_warps)
+    launch(dkdv, grid, desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n),
+           desc(do, cfg.block_m), desc(dk, cfg.block_n), desc(dv, cfg.block_n),
+           lse, delta, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, Hq // Hkv, offset, br,
+           params.scale * math.log2(math.e), params.scale,
+           CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
+           STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen, num_warps=cfg.num_warps)
     return dk, dv
 
 
-def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg):
+def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None):
     """dQ [B, Sq, Hq, D] for a call in the Gluon backward's scope."""
     _, dq_kernel = _bwd_kernels()
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+    Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, offset, br = _sequences(q, k, params, order, lse)
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
-    launch(dq_kernel, grid, _descriptor(q, cfg.block_m), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n),
-                    _descriptor(do, cfg.block_m), _descriptor(dq, cfg.block_m),
-                    lse, delta, Hq, Sq, Sk, Hq // Hkv, params.offset, params.scale * math.log2(math.e), params.scale,
-                    CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
-                    STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
-                    num_warps=cfg.num_warps)
+    launch(dq_kernel, grid, desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n),
+           desc(do, cfg.block_m), desc(dq, cfg.block_m),
+           lse, delta, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, Hq // Hkv, offset, br,
+           params.scale * math.log2(math.e), params.scale,
+           CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
+           STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
+           VARLEN=params.is_varlen, num_warps=cfg.num_warps)
     return dq

@@ -20,8 +20,9 @@ reason, ops/gluon/attention_fwd_sm90.py):
 
 Both recompute P = exp2(S * scale * log2(e) - lse * log2(e)) from the forward's
 lse and take delta = rowsum(o * dO) - dlse from the portable preprocess kernel.
-Rows past a sequence's end: TMA zero-fills them and clips the stores; their lse
-is read as +inf, so their P and dS are 0.  Keys past Sk only ever reach rows of
+Rows past a sequence's end (dense, or packed through ragged descriptors: see
+pipeline.py): TMA zero-fills them and clips the stores; their lse is read as
++inf, so their P and dS are 0.  Keys past Sk only ever reach rows of
 dK / dV that the store clips (the dK/dV kernel), or are masked (the dQ kernel,
 where dS K would mix them into kept rows).
 """
@@ -30,7 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .pipeline import init_barriers, invalidate_barriers, key_tiles, load_rows, query_block, slot, wait
+from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_tiles, load_rows, query_block,
+                       sequence, slot, wait)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -46,27 +48,28 @@ def _row_stats(LSE, DELTA, row0, o_m, Sq):
 
 
 @gluon.jit
-def _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t, T, n_mt, mt_lo, b, hk, group,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+def _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t, T, n_mt, mt_lo, b, hk, group, q_start, Sq,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
     # tile t of the flattened (head of the group, query tile) walk into slot t % STAGES
     slot = t % STAGES
     g = t // n_mt
     m = (mt_lo + t - g * n_mt) * BLOCK_M
     h = hk * group + g
     mbarrier.expect(bars.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=t < T)
-    tma.async_copy_global_to_shared(q_desc, [b, m, h, 0], bars.index(slot), q_ring.index(slot), pred=t < T)
-    tma.async_copy_global_to_shared(do_desc, [b, m, h, 0], bars.index(slot), do_ring.index(slot), pred=t < T)
+    copy_in(q_desc, b, m, h, q_start, Sq, bars.index(slot), q_ring.index(slot), t < T, VARLEN)
+    copy_in(do_desc, b, m, h, q_start, Sq, bars.index(slot), do_ring.index(slot), t < T, VARLEN)
 
 
 @gluon.jit
-def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE, DELTA,
+def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, DELTA,
               col_s: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr):
-    """P^T and dS^T ([keys, queries], float32) of flattened tile t from S^T and dP^T."""
+    """P^T and dS^T ([keys, queries], float32) of flattened tile t from S^T and dP^T; row_b is
+    where the sequence's rows start in lse / delta, less head 0's (b * stride_lb + q_start)."""
     g = t // n_mt
     m0 = (mt_lo + t - g * n_mt) * BLOCK_M
     h = hk * group + g
     o_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
-    lse2, delta = _row_stats(LSE, DELTA, (b * Hq + h).to(gl.int64) * Sq, o_m, Sq)
+    lse2, delta = _row_stats(LSE, DELTA, row_b + h.to(gl.int64) * stride_lh, o_m, Sq)
     s2 = st * qk_scale
     if MASKED:  # the causal diagonal: key n visible from query m iff n <= m + offset
         s2 = gl.where(o_n[:, None] <= o_m[None, :] + offset, s2, float("-inf"))
@@ -76,22 +79,23 @@ def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_sca
 
 
 @gluon.jit
-def _tile_grads(st, dpt, t, n_mt, n_masked, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE, DELTA,
-                col_s: gl.constexpr, BLOCK_M: gl.constexpr):
+def _tile_grads(st, dpt, t, n_mt, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
+                DELTA, col_s: gl.constexpr, BLOCK_M: gl.constexpr):
     """P^T and dS^T of flattened tile t: with the causal mask on the first n_masked query tiles of each head."""
     if t % n_mt < n_masked:
-        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE, DELTA, col_s,
-                            True, BLOCK_M)
+        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
+                            DELTA, col_s, True, BLOCK_M)
     else:
-        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, b, Hq, Sq, o_n, offset, qk_scale, LSE, DELTA, col_s,
-                            False, BLOCK_M)
+        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
+                            DELTA, col_s, False, BLOCK_M)
     return pt, dst
 
 
 @gluon.jit
-def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Hq, Sq, Sk, group,
-                              offset, qk_scale, scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, stride_lb, stride_lh,
+                              CU_Q, CU_K, ORDER, Hq, Sq, Sk, group, offset, bottom_right, qk_scale, scale,
+                              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                              STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
                               num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)  # causal: the first key blocks see the most queries, so run first
@@ -100,6 +104,8 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     b = bh // Hkv
     hk = bh % Hkv
     n0 = pid * BLOCK_N
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, offset, bottom_right, VARLEN)
+    row_b = b.to(gl.int64) * stride_lb + q_start  # lse / delta rows of this sequence (head 0)
 
     # S^T / dP^T: [keys, queries], one warp per 16 keys; dK / dV: [keys, D]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -118,6 +124,8 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
         mt_lo = 0
         mt_full = 0
     n_mt = gl.maximum(gl.cdiv(Sq, BLOCK_M) - mt_lo, 0)
+    if n0 >= Sk:  # a key block past a packed sequence's end: nothing to compute or write
+        n_mt = 0
     T = n_mt * group  # flattened: (head of the group, query tile)
     n_mt_div = gl.maximum(n_mt, 1)
     n_masked = gl.minimum(mt_full - mt_lo, n_mt)
@@ -133,10 +141,11 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     fence_async_shared()
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, n0, hk, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [b, n0, hk, 0], kv_bar, v_smem)
+    copy_in(k_desc, b, n0, hk, k_start, Sk, kv_bar, k_smem, True, VARLEN)
+    copy_in(v_desc, b, n0, hk, k_start, Sk, kv_bar, v_smem, True, VARLEN)
     for i in gl.static_range(STAGES):
-        _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, i, T, n_mt_div, mt_lo, b, hk, group, BLOCK_M, STAGES)
+        _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, i, T, n_mt_div, mt_lo, b, hk, group, q_start, Sq, BLOCK_M,
+                  STAGES, VARLEN)
 
     o_n = n0 + gl.arange(0, BLOCK_N, layout=row_s)
     dk = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
@@ -154,8 +163,8 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
             dpt = warpgroup_mma(v_t, slot(do_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                                 is_async=True)
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-            pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, b, Hq, Sq, o_n, offset,
-                                  qk_scale, LSE, DELTA, col_s, BLOCK_M)
+            pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
+                                  offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
             pt = gl.convert_layout(pt.to(dtype), op_layout)
             dst = gl.convert_layout(dst.to(dtype), op_layout)
             for t in range(1, T):
@@ -168,12 +177,12 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                 dk = warpgroup_mma(dst, slot(q_ring, t - 1, BLOCK_M, D, STAGES), dk, is_async=True)
                 # S^T_t and dP^T_t are done (the older groups); dV, dK of tile t-1 may still run
                 st, dpt = warpgroup_mma_wait(2, deps=(st, dpt))
-                pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, b, Hq, Sq, o_n,
-                                              offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
+                pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq,
+                                              o_n, offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
                 dv, dk, pt, dst = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst))
                 # tile t-1's slot is free
                 _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
-                          BLOCK_M, STAGES)
+                          q_start, Sq, BLOCK_M, STAGES, VARLEN)
                 pt = gl.convert_layout(pt_new.to(dtype), op_layout)
                 dst = gl.convert_layout(dst_new.to(dtype), op_layout)
             last = T - 1
@@ -190,8 +199,8 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
             dpt = warpgroup_mma(v_t, slot(do_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                                 is_async=True)
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-            pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, b, Hq, Sq, o_n, offset,
-                                  qk_scale, LSE, DELTA, col_s, BLOCK_M)
+            pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
+                                  offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, 0, BLOCK_M, D, STAGES), dv,
                                is_async=True)
             dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, 0, BLOCK_M, D, STAGES), dk,
@@ -205,9 +214,9 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                 # also retires tile t-1's dV, dK: its slot is free
                 st, dpt, dv, dk = warpgroup_mma_wait(0, deps=(st, dpt, dv, dk))
                 _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
-                          BLOCK_M, STAGES)
-                pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, b, Hq, Sq, o_n, offset,
-                                      qk_scale, LSE, DELTA, col_s, BLOCK_M)
+                          q_start, Sq, BLOCK_M, STAGES, VARLEN)
+                pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
+                                      offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
                 dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES),
                                    dv, is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, t, BLOCK_M, D, STAGES),
@@ -220,8 +229,8 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     k_smem.reshape([BLOCK_N, D]).store((dk * scale).to(dtype))
     v_smem.reshape([BLOCK_N, D]).store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, n0, hk, 0], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [b, n0, hk, 0], v_smem)
+    copy_out(dk_desc, b, n0, hk, k_start, Sk, k_smem, VARLEN)
+    copy_out(dv_desc, b, n0, hk, k_start, Sk, v_smem, VARLEN)
     tma.store_wait(0)
 
 
@@ -241,12 +250,13 @@ def _ds_tile(s, dp, n0, o_m, lse2, delta, Sk, offset, qk_scale, s_layout: gl.con
 
 
 @gluon.jit
-def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, Hq, Sq, Sk, group, offset,
-                            qk_scale, scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-                            num_warps: gl.constexpr):
+def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, stride_lb, stride_lh, CU_Q, CU_K,
+                            ORDER, Hq, Sq, Sk, group, offset, bottom_right, qk_scale, scale, CAUSAL: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                            V_STAGES: gl.constexpr, VARLEN: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, offset, bottom_right, VARLEN)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -257,6 +267,8 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
 
     # key tiles [0, n_tiles); tiles from n_full on need a mask (causal diagonal, or Sk's end)
     n_tiles, n_full = key_tiles(m0, Sk, offset, BLOCK_M, BLOCK_N, CAUSAL)
+    if m0 >= Sq:  # a query block past a packed sequence's end: nothing to compute or write
+        n_tiles = 0
 
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
@@ -271,15 +283,15 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
     fence_async_shared()
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, m0, h, 0], q_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [b, m0, h, 0], q_bar, do_smem)
+    copy_in(q_desc, b, m0, h, q_start, Sq, q_bar, q_smem, True, VARLEN)
+    copy_in(do_desc, b, m0, h, q_start, Sq, q_bar, do_smem, True, VARLEN)
     for i in gl.static_range(STAGES):
-        load_rows(k_desc, k_ring, k_bars, i, b, hk, n_tiles, BLOCK_N, STAGES)
+        load_rows(k_desc, k_ring, k_bars, i, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
     for i in gl.static_range(V_STAGES):
-        load_rows(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N, V_STAGES)
+        load_rows(v_desc, v_ring, v_bars, i, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
 
     o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-    lse2, delta = _row_stats(LSE, DELTA, (b * Hq + h).to(gl.int64) * Sq, o_m, Sq)
+    lse2, delta = _row_stats(LSE, DELTA, b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start, o_m, Sq)
     dq = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar, 0)
@@ -294,7 +306,7 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
         dp = warpgroup_mma(do_t, slot(v_ring, 0, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-        load_rows(v_desc, v_ring, v_bars, V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
+        load_rows(v_desc, v_ring, v_bars, V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
         if n_full > 0:
             ds = _ds_tile(s, dp, 0, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, False, CAUSAL, BLOCK_N)
         else:
@@ -310,7 +322,7 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
             dq = warpgroup_mma(ds, slot(k_ring, j - 1, BLOCK_N, D, STAGES), dq, is_async=True)
             # S_j, dP_j are done; dQ's product of tile j-1 may still run.  V_j's slot is free.
             s, dp = warpgroup_mma_wait(1, deps=(s, dp))
-            load_rows(v_desc, v_ring, v_bars, j + V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
+            load_rows(v_desc, v_ring, v_bars, j + V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
             if j < n_full:
                 ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, False,
                                   CAUSAL, BLOCK_N)
@@ -318,7 +330,7 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
                 ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, True,
                                   CAUSAL, BLOCK_N)
             dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
-            load_rows(k_desc, k_ring, k_bars, j - 1 + STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
+            load_rows(k_desc, k_ring, k_bars, j - 1 + STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
             ds = gl.convert_layout(ds_new.to(dtype), op_layout)
         last = n_tiles - 1
         dq = warpgroup_mma(ds, slot(k_ring, last, BLOCK_N, D, STAGES), dq, is_async=True)
@@ -330,5 +342,5 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
     # dQ through q's buffer and TMA, which clips rows past Sq
     q_smem.reshape([BLOCK_M, D]).store((dq * scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [b, m0, h, 0], q_smem)
+    copy_out(dq_desc, b, m0, h, q_start, Sq, q_smem, VARLEN)
     tma.store_wait(0)

@@ -19,17 +19,19 @@ compiler puts a block-wide barrier before each copy into a slot both read),
 which measured slower (benchmarks/RESULTS.md v0.4.0).
 
 Scope (the launcher checks it; everything else takes the portable kernel):
-bf16/fp16, D = Dv in {64, 128}, dense [B, S, H, D] inputs with 16-byte aligned
-strides, GQA, no mask/bias, no dropout, softcap, ALiBi, window, RoPE, split or
-paged keys; causal with an integer diagonal offset (key j visible from query i
-iff j <= i + offset).
+bf16/fp16, D = Dv in {64, 128}, dense [B, S, H, D] or packed (varlen) inputs
+with 16-byte aligned strides, GQA, no mask/bias, no dropout, softcap, ALiBi,
+window, RoPE, split or paged keys; causal with an integer diagonal offset (key j
+visible from query i iff j <= i + offset; packed: per sequence, optionally
+bottom-right aligned).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .pipeline import init_barriers, invalidate_barriers, key_tiles, load_rows, query_block, slot, wait
+from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_tiles, load_rows, query_block,
+                       sequence, slot, wait)
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -57,12 +59,14 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, qk_scale, s_layout: gl.const
 
 
 @gluon.jit
-def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, Hq, Sq, Sk, group, offset,
-                         qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr,
-                         num_warps: gl.constexpr):
+def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk,
+                         group, offset, bottom_right, qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                         Q_IN_REGS: gl.constexpr, VARLEN: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
+    # packed: this sequence's rows and lengths (Sq, Sk, offset become its own)
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, offset, bottom_right, VARLEN)
 
     # one warp per 16 rows (a warpgroup per 64); the MMA's N is the whole tile
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -75,6 +79,8 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
 
     # key tiles [0, n_tiles); tiles from n_full on need a mask (causal diagonal, or Sk's end)
     n_tiles, n_full = key_tiles(m0, Sk, offset, BLOCK_M, BLOCK_N, CAUSAL)
+    if m0 >= Sq:  # a query block past a packed sequence's end: nothing to compute or write
+        n_tiles = 0
 
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -88,11 +94,11 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
     fence_async_shared()
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, m0, h, 0], q_bar, q_smem)
+    copy_in(q_desc, b, m0, h, q_start, Sq, q_bar, q_smem, True, VARLEN)
     for i in gl.static_range(STAGES):
-        load_rows(k_desc, k_ring, k_bars, i, b, hk, n_tiles, BLOCK_N, STAGES)
+        load_rows(k_desc, k_ring, k_bars, i, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
     for i in gl.static_range(V_STAGES):
-        load_rows(v_desc, v_ring, v_bars, i, b, hk, n_tiles, BLOCK_N, V_STAGES)
+        load_rows(v_desc, v_ring, v_bars, i, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
 
     o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -111,7 +117,7 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
         s = warpgroup_mma(q, slot(k_ring, 0, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        load_rows(k_desc, k_ring, k_bars, STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
+        load_rows(k_desc, k_ring, k_bars, STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
         if n_full > 0:
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, o_m, Sk, offset, qk_scale, s_layout, False, CAUSAL,
                                                BLOCK_N)
@@ -128,7 +134,7 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
             acc = warpgroup_mma(p, slot(v_ring, j - 1, BLOCK_N, D, V_STAGES), acc, is_async=True)
             # S_j is done (the older group); P_{j-1} V_{j-1} may still run.  K_j's slot is free.
             s = warpgroup_mma_wait(1, deps=(s, ))
-            load_rows(k_desc, k_ring, k_bars, j + STAGES, b, hk, n_tiles, BLOCK_N, STAGES)
+            load_rows(k_desc, k_ring, k_bars, j + STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
             if j < n_full:
                 p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
                                                        False, CAUSAL, BLOCK_N)
@@ -136,7 +142,8 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
                 p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
                                                        True, CAUSAL, BLOCK_N)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-            load_rows(v_desc, v_ring, v_bars, j - 1 + V_STAGES, b, hk, n_tiles, BLOCK_N, V_STAGES)
+            load_rows(v_desc, v_ring, v_bars, j - 1 + V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES,
+                      VARLEN)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p = gl.convert_layout(p_new.to(dtype), p_layout)
 
@@ -153,10 +160,11 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-    gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + o_m, lse, mask=o_m < Sq)
+    # lse [B, Hq, Sq]; packed, [1, Hq, total] (stride_lb = 0) from the sequence's first row
+    gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start + o_m, lse, mask=o_m < Sq)
     acc = acc / gl.convert_layout(l_safe, row_o)[:, None]
     # o through shared memory (q's buffer, no longer read) and TMA, which clips rows past Sq
     q_smem.reshape([BLOCK_M, D]).store(acc.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, m0, h, 0], q_smem)
+    copy_out(o_desc, b, m0, h, q_start, Sq, q_smem, VARLEN)
     tma.store_wait(0)

@@ -1,18 +1,69 @@
-"""Pieces shared by the sm_90 Gluon kernels: which query block a program owns and which key
-tiles it visits, and TMA rings.  A ring is STAGES shared-memory slots of [1, ROWS, 1, D]
-boxes, one mbarrier per slot; tile j lives in slot j % STAGES and its barrier completes phase
-(j // STAGES) & 1 when the copy lands."""
+"""Pieces shared by the sm_90 Gluon kernels: which sequence and query block a program owns,
+which key tiles it visits, and TMA copies and rings.
+
+Copies.  A dense batch [B, S, H, D] is read through a 4-D descriptor with [1, ROWS, 1, D]
+boxes at (b, row, h, 0).  A packed batch (VARLEN: [1, total, H, D], sequences delimited by
+cu_seqlens) through a 5-D "ragged" descriptor (attention.ragged_shape_strides, the scheme of
+triton.tools.ragged_tma): two leading dimensions whose strides cancel modulo 2**64 let the
+coordinates name both a sequence's first row and its length, so the copy engine zero-fills
+rows past the sequence's end and clips stores there, exactly as it does at S in a dense
+batch -- no tile reads or writes another sequence's rows.
+
+A ring is STAGES shared-memory slots of boxes, one mbarrier per slot; tile j lives in slot
+j % STAGES and its barrier completes phase (j // STAGES) & 1 when the copy lands."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 
+RAGGED = gl.constexpr(0x40000000)  # 2**30: the ragged descriptors' row extent (attention.ragged_shape_strides)
+
+
 @gluon.jit
-def load_rows(desc, ring, bars, j, b, h, n_tiles, ROWS: gl.constexpr, STAGES: gl.constexpr):
+def copy_in(desc, b, row, h, start, length, bar, dst, pred, VARLEN: gl.constexpr):
+    """Rows [row, row + box) of head h of sequence b (dense), or of the packed sequence at rows
+    [start, start + length) (VARLEN), into dst; rows past the sequence's end read as zeros."""
+    if VARLEN:
+        tma.async_copy_global_to_shared(desc, [RAGGED, start + length, RAGGED - length + row, h, 0], bar, dst,
+                                        pred=pred)
+    else:
+        tma.async_copy_global_to_shared(desc, [b, row, h, 0], bar, dst, pred=pred)
+
+
+@gluon.jit
+def copy_out(desc, b, row, h, start, length, src, VARLEN: gl.constexpr):
+    """src into rows [row, row + box) of copy_in's addressing; rows past the end are not written."""
+    if VARLEN:
+        tma.async_copy_shared_to_global(desc, [RAGGED, start + length, RAGGED - length + row, h, 0], src)
+    else:
+        tma.async_copy_shared_to_global(desc, [b, row, h, 0], src)
+
+
+@gluon.jit
+def load_rows(desc, ring, bars, j, b, h, start, length, n_tiles, ROWS: gl.constexpr, STAGES: gl.constexpr,
+              VARLEN: gl.constexpr):
     """Rows [j * ROWS, (j + 1) * ROWS) of (b, h) into slot j % STAGES; a tile past n_tiles is not fetched."""
     slot = j % STAGES
     mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=j < n_tiles)
-    tma.async_copy_global_to_shared(desc, [b, j * ROWS, h, 0], bars.index(slot), ring.index(slot), pred=j < n_tiles)
+    copy_in(desc, b, j * ROWS, h, start, length, bars.index(slot), ring.index(slot), j < n_tiles, VARLEN)
+
+
+@gluon.jit
+def sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, offset, bottom_right, VARLEN: gl.constexpr):
+    """(b, q_start, Sq_b, k_start, Sk_b, offset_b) of grid row b: dense, (b, 0, Sq, 0, Sk, offset);
+    packed, sequence ORDER[b] (longest first) with its rows in the packed tensors and its causal
+    offset (plus Sk_b - Sq_b where bottom_right is 1, flash-attn's varlen alignment)."""
+    if VARLEN:
+        b = gl.load(ORDER + b)
+        q_start = gl.load(CU_Q + b)
+        Sq = gl.load(CU_Q + b + 1) - q_start
+        k_start = gl.load(CU_K + b)
+        Sk = gl.load(CU_K + b + 1) - k_start
+        offset = offset + bottom_right * (Sk - Sq)
+    else:
+        q_start = 0
+        k_start = 0
+    return b, q_start, Sq, k_start, Sk, offset
 
 
 @gluon.jit
@@ -41,8 +92,8 @@ def invalidate_barriers(bars, N: gl.constexpr):
 
 @gluon.jit
 def query_block(Sq, Hq, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(b, h, hk, m0) of this program: grid (query blocks, B * Hq); with a causal mask the
-    longest rows run first, so the short ones fill the tail of the wave."""
+    """(b, h, hk, m0) of this program: grid (query blocks of the longest sequence, B * Hq); with
+    a causal mask the longest rows run first, so the short ones fill the tail of the wave."""
     n_m = gl.cdiv(Sq, BLOCK_M)
     pid = gl.program_id(0)
     if CAUSAL:

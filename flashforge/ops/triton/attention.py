@@ -144,7 +144,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     if not interpret:
         g_cfg = cfg if cfg.gluon else gluon_config(max(D, Dv), q.element_size(), params.window_right >= 0, _arch(q))
         if g_cfg is not None and gluon_attention.in_scope(q, k, v, mask, params, g_cfg, _arch(q)):
-            return gluon_attention.attention_forward(q, k, v, params, g_cfg)
+            return gluon_attention.attention_forward(q, k, v, params, g_cfg, _longest_first(params, None))
     o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     if mask is not None:
@@ -243,7 +243,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     # to be deterministic); else the dQ kernel recomputes the scores per query block
     fused = cfg_kv.fused_dq and not params.deterministic and g_kv is None and g_q is None
     if g_kv is not None:
-        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv)
+        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order)
     else:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -257,7 +257,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     if fused:
         dq = dq_acc.mul_(params.scale).to(q.dtype)
     elif g_q is not None:
-        dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q)
+        dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order)
     else:
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         launch(attn_bwd_dq_kernel, (cdiv(max_sq, cfg_q.block_m), B * Hq),
