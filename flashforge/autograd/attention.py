@@ -9,6 +9,7 @@ schema here and rebuilt inside.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -32,17 +33,21 @@ def _params(offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
-def _forward_impl(q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale,
-                  window_left, window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic,
-                  allow_tf32, max_seqlen_q, max_seqlen_k, backend):
+def _forward_params(q, k, v, mask, params: AttnParams, backend: str):
     B, Sq, Hq, _ = q.shape
     if q.numel() == 0 or k.shape[1] == 0:
         o = torch.zeros(B, Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device)
         return o, torch.full((B, Hq, Sq), float("-inf"), dtype=_lse_dtype(q), device=q.device)
+    return backend_module("attention", backend).attention_forward(q, k, v, mask, params)
+
+
+def _forward_impl(q, k, v, mask, offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale,
+                  window_left, window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic,
+                  allow_tf32, max_seqlen_q, max_seqlen_k, backend):
     params = _params(offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale, window_left,
                      window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic,
                      allow_tf32, max_seqlen_q, max_seqlen_k)
-    return backend_module("attention", backend).attention_forward(q, k, v, mask, params)
+    return _forward_params(q, k, v, mask, params, backend)
 
 
 @torch.library.custom_op("flashforge::attention_fwd", mutates_args=())
@@ -65,21 +70,25 @@ def _(q, k, v, mask, *args):
     return o, q.new_empty(B, Hq, Sq, dtype=_lse_dtype(q))
 
 
-def _backward_impl(do, dlse, q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q,
-                   cu_seqlens_k, scale, window_left, window_right, offset, offset_bottom_right, softcap, dropout_p,
-                   seed, deterministic, allow_tf32, max_seqlen_q, max_seqlen_k, backend, need_dmask):
+def _backward_params(do, dlse, q, k, v, mask, o, lse, params: AttnParams, backend: str, need_dmask: bool):
     """(dq, dk, dv, dmask); dmask is float32 of the mask's shape, or empty when not asked for."""
     if q.numel() == 0 or k.shape[1] == 0:
         dmask = torch.zeros(mask.shape, dtype=torch.float32, device=q.device) if need_dmask else q.new_empty(0)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
     if do.stride(-1) != 1:
         do = do.contiguous()
-    params = _params(offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale, window_left,
-                     window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic,
-                     allow_tf32, max_seqlen_q, max_seqlen_k)
     dq, dk, dv, dmask = backend_module("attention", backend).attention_backward(do, dlse, q, k, v, mask, o, lse, params, need_dmask)
     # outputs of a custom op may not alias its inputs or each other
     return dq, dk, dv, (dmask.float() if dmask is not None else q.new_empty(0))
+
+
+def _backward_impl(do, dlse, q, k, v, mask, o, lse, offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q,
+                   cu_seqlens_k, scale, window_left, window_right, offset, offset_bottom_right, softcap, dropout_p,
+                   seed, deterministic, allow_tf32, max_seqlen_q, max_seqlen_k, backend, need_dmask):
+    params = _params(offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q, cu_seqlens_k, scale, window_left,
+                     window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic,
+                     allow_tf32, max_seqlen_q, max_seqlen_k)
+    return _backward_params(do, dlse, q, k, v, mask, o, lse, params, backend, need_dmask)
 
 
 @torch.library.custom_op("flashforge::attention_bwd", mutates_args=())
@@ -114,41 +123,53 @@ def _setup_context(ctx, inputs, output):
     ctx.scalars = inputs[_N_TENSORS:]
 
 
-def _backward_with(bwd, ctx, do, dlse):
-    q, k, v, mask, o, lse, *aux = ctx.saved_tensors
-    need_dmask = mask is not None and ctx.needs_input_grad[3]
+def _grad_inputs(o, lse, do, dlse):
+    """The incoming gradients as the backward takes them: a zero dO where o was unused, dlse
+    in lse's dtype and contiguous."""
     if do is None:
         do = torch.zeros_like(o)
     if dlse is not None:
         dlse = dlse.to(lse.dtype).contiguous()
-    dq, dk, dv, dmask = bwd(do, dlse, q, k, v, mask, o, lse, *aux, *ctx.scalars, need_dmask)
-    return (dq, dk, dv, dmask.to(mask.dtype) if need_dmask else None) + (None,) * (
-        _N_TENSORS - 4 + len(ctx.scalars))
+    return do, dlse
 
 
 def _backward(ctx, do, dlse):
-    return _backward_with(attention_bwd, ctx, do, dlse)
+    q, k, v, mask, o, lse, *aux = ctx.saved_tensors
+    need_dmask = mask is not None and ctx.needs_input_grad[3]
+    do, dlse = _grad_inputs(o, lse, do, dlse)
+    dq, dk, dv, dmask = attention_bwd(do, dlse, q, k, v, mask, o, lse, *aux, *ctx.scalars, need_dmask)
+    return (dq, dk, dv, dmask.to(mask.dtype) if need_dmask else None) + (None,) * (
+        _N_TENSORS - 4 + len(ctx.scalars))
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The same forward and backward as the ops, without their dispatch (see `dispatch.eager`)."""
+    """The same forward and backward as the ops, without their dispatch (see `dispatch.eager`).
+    It takes the AttnParams object whole rather than the ops' 22 flattened arguments: each
+    argument of `Function.apply` and each returned gradient costs host time, which the grid's
+    short training steps (S = 1k) spend instead of GPU time.  The params' tensors (offsets,
+    slopes, cu_seqlens, seed) are not differentiable and ride along on ctx."""
 
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, q, k, v, mask, params, backend):
         # an unused output (lse, mostly) arrives as None rather than as a zero tensor: no
         # allocation, fill and read of a dlse that changes nothing
         ctx.set_materialize_grads(False)
-        o, lse = _forward_impl(*inputs)
-        _setup_context(ctx, inputs, (o, lse))
+        o, lse = _forward_params(q, k, v, mask, params, backend)
+        ctx.save_for_backward(q, k, v, mask, o, lse)
+        ctx.params, ctx.backend = params, backend
         return o, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
-        return _backward_with(_backward_impl, ctx, do, dlse)
+        q, k, v, mask, o, lse = ctx.saved_tensors
+        need_dmask = mask is not None and ctx.needs_input_grad[3]
+        do, dlse = _grad_inputs(o, lse, do, dlse)
+        dq, dk, dv, dmask = _backward_params(do, dlse, q, k, v, mask, o, lse, ctx.params, ctx.backend, need_dmask)
+        return dq, dk, dv, dmask.to(mask.dtype) if need_dmask else None, None, None
 
 
 def attention_function(q, k, v, mask, params: AttnParams, backend: str, seed_tensor: Optional[torch.Tensor] = None):
@@ -164,6 +185,9 @@ def attention_function(q, k, v, mask, params: AttnParams, backend: str, seed_ten
             p.deterministic, p.allow_tf32, p.max_seqlen_q, p.max_seqlen_k, backend)
     if not eager(*args[:_N_TENSORS]):
         return torch.ops.flashforge.attention_fwd(*args)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:4]):
-        return _EagerAttention.apply(*args)
-    return _forward_impl(*args)
+    if seed_tensor is not None or p.seed_tensor is not None:  # as the ops' flattened arguments carry it
+        p = replace(p, seed_tensor=seed_tensor)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (mask is not None and mask.requires_grad)):
+        return _EagerAttention.apply(q, k, v, mask, p, backend)
+    return _forward_params(q, k, v, mask, p, backend)

@@ -15,8 +15,15 @@ _MODULES = {
 }
 
 
+_loaded: dict = {}  # (op, backend) -> module: import_module costs host time on every call
+
+
 def backend_module(op: str, backend: str) -> ModuleType:
+    module = _loaded.get((op, backend))
+    if module is not None:
+        return module
     try:
-        return importlib.import_module(_MODULES[op, backend])
+        module = _loaded[op, backend] = importlib.import_module(_MODULES[op, backend])
     except ImportError as e:  # triton missing (e.g. macOS, Windows)
         raise ValueError(f"backend={backend!r} is not available here: {e}") from e
+    return module

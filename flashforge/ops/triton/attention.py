@@ -199,44 +199,51 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     return o, lse
 
 
+def _gluon_backward(q, k, v, do, lse, mask, params: AttnParams, cfg_kv, cfg_q, arch):
+    """(dK/dV tiles, dQ tiles) of the sm_90 Gluon kernels, each None where it does not serve:
+    the call out of their scope, or no Gluon entry for that pass (either may serve alone)."""
+    D, elem = max(q.shape[3], v.shape[3]), q.element_size()
+    g_kv = cfg_kv if cfg_kv.gluon else gluon_config(D, elem, False, arch, "bwd_kv")
+    g_q = cfg_q if cfg_q.gluon else gluon_config(D, elem, False, arch, "bwd_q")
+    if (g_kv is None and g_q is None) or not gluon_attention.bwd_call_in_scope(q, k, v, do, lse, mask, params, arch):
+        return None, None
+    return (g_kv if g_kv is not None and gluon_attention.bwd_tiles_fit("bwd_kv", g_kv) else None,
+            g_q if g_q is not None and gluon_attention.bwd_tiles_fit("bwd_q", g_q) else None)
+
+
 def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dmask: bool):
     _, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     B, max_sq, max_sk = _batch_and_lengths(q, k, params)
     vl = params.is_varlen
     interpret = _interpreting(q)
-    cfg_kv = get_config("bwd_kv", max(D, Dv), q.element_size(), interpret, arch=_arch(q), dropout=params.has_dropout)
-    cfg_q = get_config("bwd_q", max(D, Dv), q.element_size(), interpret, arch=_arch(q))
+    arch = _arch(q)
+    cfg_kv = get_config("bwd_kv", max(D, Dv), q.element_size(), interpret, arch=arch, dropout=params.has_dropout)
+    cfg_q = get_config("bwd_q", max(D, Dv), q.element_size(), interpret, arch=arch)
     if mask is not None:
         cfg_kv, cfg_q = with_mask("bwd_kv", cfg_kv), with_mask("bwd_q", cfg_q)
     BD = _padded(D, Dv)
+    g_kv, g_q = (None, None) if interpret else _gluon_backward(q, k, v, do, lse, mask, params, cfg_kv, cfg_q, arch)
+
+    # delta = rowsum(o * dO) - dlse (the portable kernel serves every call)
+    offsets = params.offset_tensor if params.offset_tensor is not None else q  # (q: a placeholder pointer)
+    order = _longest_first(params, offsets)
+    delta = torch.empty_like(lse)
+    launch(attn_bwd_preprocess_kernel, (cdiv(max_sq, cfg_q.block_m), B * Hq),
+        o, do, dlse if dlse is not None else delta, delta, params.cu_seqlens_q if vl else offsets,
+        *_bshd_strides(o, vl), *_bshd_strides(do, vl), Hq, Sq, Dv,
+        HAS_DLSE=dlse is not None, IS_VARLEN=vl, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
+    )
+    if g_kv is not None and g_q is not None:  # the common dense case: nothing else to prepare
+        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order)
+        return gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order), dk, dv, None
+
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     (offsets, alibi, s_ab, s_ah, cu_q, cu_k, seed_t), scalars, flags = _common_args(q, params)
 
     def tiles(cfg):
         return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BD, BLOCK_DV=BD,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-    order = _longest_first(params, offsets)
-    delta = torch.empty_like(lse)
-    launch(attn_bwd_preprocess_kernel, (cdiv(max_sq, cfg_q.block_m), B * Hq),
-        o, do, dlse if dlse is not None else delta, delta, cu_q,
-        *_bshd_strides(o, vl), *_bshd_strides(do, vl), Hq, Sq, Dv,
-        HAS_DLSE=dlse is not None, IS_VARLEN=vl, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
-    )
-
-    # the sm_90 Gluon kernels, each where the call is in its scope (either may serve alone)
-    g_kv = g_q = None
-    if not interpret:
-        arch = _arch(q)
-        g_kv = cfg_kv if cfg_kv.gluon else gluon_config(max(D, Dv), q.element_size(), False, arch, "bwd_kv")
-        g_q = cfg_q if cfg_q.gluon else gluon_config(max(D, Dv), q.element_size(), False, arch, "bwd_q")
-        wanted = g_kv is not None or g_q is not None
-        if wanted and gluon_attention.bwd_call_in_scope(q, k, v, do, lse, mask, params, arch):
-            g_kv = g_kv if g_kv is not None and gluon_attention.bwd_tiles_fit("bwd_kv", g_kv) else None
-            g_q = g_q if g_q is not None and gluon_attention.bwd_tiles_fit("bwd_q", g_q) else None
-        else:
-            g_kv = g_q = None
 
     strides_qkvdo = (*_bshd_strides(q, vl), *_bshd_strides(k, vl), *_bshd_strides(v, vl), *_bshd_strides(do, vl))
     # fused: dQ summed by atomics inside the dK/dV kernel (order varies: never when asked
