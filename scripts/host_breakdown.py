@@ -8,25 +8,12 @@ so that launches only queue.
 
     PYTHONPATH=. python scripts/host_breakdown.py
 """
-import time
-
 import torch
 
 import flashforge
 from flashforge.ops.gluon import attention as gluon_attention
 from flashforge.ops.triton import attention as launchers
-
-
-def host_us(fn, n=50):
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(3e8))  # the GPU stays busy: launches only queue
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+from short_calls import host_us  # this folder is on sys.path when run as a script
 
 
 class _Identity(torch.autograd.Function):
