@@ -1,0 +1,86 @@
+"""Host-side pieces of the sm_90 Gluon launchers that need no GPU: the ragged descriptor's
+addressing (packed batches) and the scope rules that route calls to the Gluon kernels."""
+import pytest
+import torch
+
+from flashforge.ops.gluon import attention as gluon_attention
+from flashforge.ops.params import AttnParams
+
+M64 = 2**64
+
+
+def _element(shape, strides, coords):
+    """The copy engine's view of a box corner: (in bounds, element offset modulo 2**64)."""
+    inside = all(0 <= c < n for c, n in zip(coords, shape))
+    return inside, sum(c * s for c, s in zip(coords, strides)) % M64
+
+
+@pytest.mark.parametrize("total, H, D", [(1000, 4, 128), (7, 2, 64), (65536, 32, 64)])
+def test_ragged_coordinates_name_a_sequences_rows(total, H, D):
+    """(RAGGED, start + n, RAGGED - n + r, h, d) is row start + r of the packed tensor for
+    r < n, and out of bounds (zero-filled, not stored) for r >= n -- the next sequence's rows
+    are never reached."""
+    t = torch.empty(1, total, H, D, dtype=torch.bfloat16)
+    shape, strides = gluon_attention.ragged_shape_strides(t)
+    R = gluon_attention.RAGGED
+    assert len(shape) == 5 and strides[-1] == 1
+    for start, n in ((0, total), (0, 1), (total // 3, total - total // 3), (total - 1, 1)):
+        for r in {0, n // 2, n - 1, n, n + 5}:
+            for h in {0, H - 1}:
+                inside, off = _element(shape, strides, (R, start + n, R - n + r, h, 3 % D))
+                assert inside == (r < n), (start, n, r)
+                if inside:
+                    assert off == (start + r) * t.stride(1) + h * t.stride(2) + 3 % D
+
+
+def test_ragged_extent_matches_the_kernels():
+    pytest.importorskip("triton.experimental.gluon")
+    from flashforge.ops.gluon import pipeline
+    assert pipeline.RAGGED.value == gluon_attention.RAGGED
+
+
+def test_ragged_strides_suit_the_copy_engine():
+    """Byte strides must be multiples of 16 and below 2**40 (cuTensorMapEncodeTiled)."""
+    t = torch.empty(1, 4096, 16, 128, dtype=torch.float16)
+    shape, strides = gluon_attention.ragged_shape_strides(t)
+    for s in strides[:-1]:
+        assert (s * 2) % 16 == 0 and 0 < s * 2 < 2**40
+    assert all(0 < n < 2**32 for n in shape)
+
+
+def _params(**kw):
+    return AttnParams(scale=0.1, **kw)
+
+
+@pytest.mark.parametrize("kw, ok", [
+    (dict(), True),
+    (dict(window_right=0), True),
+    (dict(window_right=0, offset_bottom_right=True), True),
+    (dict(dropout_p=0.1), False),
+    (dict(softcap=3.0), False),
+    (dict(window_left=64, window_right=0), False),
+])
+def test_scope_of_dense_calls(kw, ok):
+    q = torch.empty(2, 128, 4, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
+    assert gluon_attention._scores_in_scope(q, k, k, None, _params(**kw), (9, 0)) == ok
+    assert not gluon_attention._scores_in_scope(q, k, k, None, _params(**kw), (8, 0))
+
+
+def test_scope_of_packed_calls_reads_the_longest_sequence():
+    """Packed batches are in scope; what counts for the 64-row minimum is the longest
+    sequence, not the packed total."""
+    q = torch.empty(1, 1000, 4, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 500, 1000], dtype=torch.int32)
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_k=500)
+    assert gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=500, **packed), (9, 0))
+    assert not gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=40, **packed), (9, 0))
+
+
+def test_dense_bottom_right_is_folded_into_the_offset():
+    q = torch.empty(2, 100, 4, 64, dtype=torch.bfloat16)
+    k = torch.empty(2, 300, 4, 64, dtype=torch.bfloat16)
+    lse = torch.empty(2, 4, 100)
+    args = gluon_attention._sequences(q, k, _params(window_right=0, offset=5, offset_bottom_right=True), None, lse)
+    B, _, s_lb, s_lh, *_, Sq, Sk, offset, br = args
+    assert (B, s_lb, s_lh, Sq, Sk, offset, br) == (2, 400, 100, 100, 300, 205, 0)
