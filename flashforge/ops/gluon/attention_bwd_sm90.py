@@ -266,9 +266,7 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     # key tiles [0, n_tiles); tiles from n_full on need a mask (causal diagonal, or Sk's end)
-    n_tiles, n_full = key_tiles(m0, Sk, offset, BLOCK_M, BLOCK_N, CAUSAL)
-    if m0 >= Sq:  # a query block past a packed sequence's end: nothing to compute or write
-        n_tiles = 0
+    n_tiles, n_full = key_tiles(m0, Sq, Sk, offset, BLOCK_M, BLOCK_N, CAUSAL)
 
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)

@@ -78,9 +78,7 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     # key tiles [0, n_tiles); tiles from n_full on need a mask (causal diagonal, or Sk's end)
-    n_tiles, n_full = key_tiles(m0, Sk, offset, BLOCK_M, BLOCK_N, CAUSAL)
-    if m0 >= Sq:  # a query block past a packed sequence's end: nothing to compute or write
-        n_tiles = 0
+    n_tiles, n_full = key_tiles(m0, Sq, Sk, offset, BLOCK_M, BLOCK_N, CAUSAL)
 
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)

@@ -105,14 +105,18 @@ def query_block(Sq, Hq, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def key_tiles(m0, Sk, offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def key_tiles(m0, Sq, Sk, offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(n_tiles, n_full): queries [m0, m0 + BLOCK_M) see key tiles [0, n_tiles); tiles from n_full
     on need a mask (the causal diagonal -- key j visible from query i iff j <= i + offset -- or
-    Sk's end)."""
+    Sk's end).  A query block past the sequence's end (a packed batch's grid covers its longest
+    sequence) sees none: nothing to compute or write."""
     if CAUSAL:
         n_end = gl.minimum(Sk, m0 + BLOCK_M + offset)
         n_full = gl.minimum(gl.maximum(m0 + offset + 1, 0) // BLOCK_N, Sk // BLOCK_N)
     else:
         n_end = Sk
         n_full = Sk // BLOCK_N
-    return gl.maximum(gl.cdiv(n_end, BLOCK_N), 0), n_full
+    n_tiles = gl.maximum(gl.cdiv(n_end, BLOCK_N), 0)
+    if m0 >= Sq:
+        n_tiles = 0
+    return n_tiles, n_full
