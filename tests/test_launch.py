@@ -10,6 +10,7 @@ import torch
 from flashforge.ops.launch import launch_key
 
 triton_jit = pytest.importorskip("triton.runtime.jit")
+tl = pytest.importorskip("triton.language")
 from triton.backends.compiler import BaseBackend  # noqa: E402
 
 
@@ -58,6 +59,31 @@ def test_same_key_means_same_specialization(group):
     assert len({launch_key([v]) for v in values}) == len({str(spec(v)) for v in values})
 
 
+def _kernel_with_positional_constexpr(X, n, D: "tl.constexpr", BLOCK: "tl.constexpr" = 16):
+    pass
+
+
+def test_positional_constexprs_are_keyed_by_value():
+    """A constexpr passed by position is keyed by its value: 96 and 128 have the same integer
+    properties.  (The preprocess kernel takes its head dim DV so; the cache once served its
+    DV = 96 kernel to a DV = 128 call, and the backward's dq came out wrong.)"""
+    import inspect
+    from flashforge.ops.launch import cache_key
+    from flashforge.ops.triton.attention_bwd import attn_bwd_preprocess_kernel
+    fn = getattr(attn_bwd_preprocess_kernel, "fn", attn_bwd_preprocess_kernel)
+    names = list(inspect.signature(fn).parameters)
+    assert "constexpr" in str(inspect.signature(fn).parameters["DV"].annotation) and names.index("DV") == 13
+    kernel = triton_jit.JITFunction(_kernel_with_positional_constexpr)
+    t = torch.zeros(8, dtype=torch.bfloat16)
+
+    def key(d, n=1000, **kw):
+        return cache_key(kernel, 0, (t, n, d), kw)
+
+    assert key(96) != key(128)
+    assert key(128) == key(128, n=999) and key(128) != key(128, BLOCK=64)
+    assert cache_key(kernel, 0, (t, object()), {}) is None
+
+
 def test_unknown_argument_types_take_the_plain_launch():
     assert launch_key([object()]) is None
     assert launch_key([1, "tf32"]) is None
@@ -76,6 +102,28 @@ def test_repeat_launches_are_right(monkeypatch):
                        dtype=torch.bfloat16)
     hits = launch.hits
     check_case(Case(B=2, Sq=257, Sk=260, Hq=4, Hkv=2, D=64), "triton", device="cuda", dtype=torch.bfloat16)
+    assert launch.hits > hits
+
+
+@pytest.mark.gpu
+def test_served_kernels_are_tritons_choice(monkeypatch):
+    """Every repeat launch in a run of varied calls -- head dims sharing every integer property
+    (96, 128), layouts, masks, dropout, softcap, GQA, the Gluon kernels -- is served the kernel
+    Triton itself would pick (verify mode raises otherwise), and every result is right."""
+    from flashforge.ops import launch
+    monkeypatch.setattr(launch, "ENABLED", True)
+    monkeypatch.setattr(launch, "VERIFY", True)
+    from helpers import Case, check_case
+    cases = [Case(B=2, Sq=1000, Sk=1000, Hq=4, Hkv=2, D=96, layout="bhsd"),
+             Case(B=1, Sq=1000, Sk=1000, Hq=4, Hkv=4, D=128, causal=True, dropout_p=0.1, seed=5),
+             Case(B=1, Sq=1000, Sk=1000, Hq=4, Hkv=2, D=128, causal=True, softcap=30.0),
+             Case(B=2, Sq=300, Sk=300, Hq=4, Hkv=2, D=128, causal=True),
+             Case(B=2, Sq=256, Sk=256, Hq=4, Hkv=1, D=64, mask="float_grad", mask_shape="B1SqSk"),
+             Case(B=2, Sq=300, Sk=300, Hq=4, Hkv=2, D=96)]
+    hits = launch.hits
+    for _ in range(2):
+        for c in cases:
+            check_case(c, None, device="cuda", dtype=torch.bfloat16)
     assert launch.hits > hits
 
 

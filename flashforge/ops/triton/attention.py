@@ -235,8 +235,11 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         HAS_DLSE=dlse is not None, IS_VARLEN=vl, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
     )
     if g_kv is not None and g_q is not None:  # the common dense case: nothing else to prepare
-        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order)
-        return gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order), dk, dv, None
+        shared = None
+        if (g_kv.block_m, g_kv.block_n) == (g_q.block_m, g_q.block_n):
+            shared = gluon_attention.input_descriptors(q, k, v, do, params, g_kv)
+        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order, shared)
+        return gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order, shared), dk, dv, None
 
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     (offsets, alibi, s_ab, s_ah, cu_q, cu_k, seed_t), scalars, flags = _common_args(q, params)
