@@ -34,12 +34,14 @@ def test_dropout_entry_serves_the_dkdv_kernel_only():
 
 def test_set_config_beats_the_table_even_for_causal_calls():
     cfg = TileConfig(32, 32, 4, 1)
+    before = configs.get_config("fwd", 100, 2, False, causal=True)  # answers are memoized: set_config must reach them
     configs.set_config("fwd", 128, 2, cfg)
     try:
         assert configs.get_config("fwd", 100, 2, False, causal=True) == cfg
     finally:
         configs.set_config("fwd", 128, 2, None)
     assert configs.get_config("fwd", 128, 2, False) == configs._TABLE[("fwd", 128, 2)]
+    assert configs.get_config("fwd", 100, 2, False, causal=True) == before != cfg
 
 
 def test_parse_configs_and_env_file(tmp_path, monkeypatch):
@@ -49,6 +51,7 @@ def test_parse_configs_and_env_file(tmp_path, monkeypatch):
     assert parsed[("fwd", 64, 2)] == TileConfig(64, 32, 4, 2, tma=True)
     path = tmp_path / "tiles.json"
     path.write_text(json.dumps(data))
+    assert configs.get_config("fwd", 64, 2, False) != TileConfig(64, 32, 4, 2, tma=True)  # (memoized)
     monkeypatch.setenv(configs.ENV_FILE, str(path))
     monkeypatch.setattr(configs, "_from_env", configs._load_env_file())
     assert configs.get_config("fwd", 64, 2, False) == TileConfig(64, 32, 4, 2, tma=True)

@@ -184,6 +184,19 @@ def _lookup(keys, arch) -> TileConfig | None:
     return None
 
 
+# answers of get_config / gluon_config, which a training step asks ~6 times: the sources change
+# only through set_config (which clears this) or by replacing _from_env (tests), checked here
+_memo: dict = {}
+_memo_env: list = [None]
+
+
+def _memoized(key):
+    if _memo_env[0] is not _from_env:
+        _memo.clear()
+        _memo_env[0] = _from_env
+    return _memo.get(key, _memo)  # _memo itself: not there
+
+
 def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal: bool = False,
                arch: tuple[int, int] = (9, 0), dropout: bool = False) -> TileConfig:
     """The tiles for one kernel on a GPU of compute capability `arch`.  causal (forward
@@ -192,6 +205,15 @@ def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal
     dropout (dK/dV only): likewise a "bwd_kv_dropout" entry over "bwd_kv"."""
     if interpret:
         return _INTERPRETER
+    key = ("get", kind, head_dim, elem_size, causal, tuple(arch), dropout)
+    cfg = _memoized(key)
+    if cfg is _memo:
+        cfg = _memo[key] = _get_config(kind, head_dim, elem_size, causal, arch, dropout)
+    return cfg
+
+
+def _get_config(kind: str, head_dim: int, elem_size: int, causal: bool, arch: tuple[int, int],
+                dropout: bool) -> TileConfig:
     bucket = _bucket(head_dim)
     keys = [(kind, bucket, elem_size)]
     if causal and kind == "fwd":
@@ -211,6 +233,15 @@ def gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, i
     is no entry, or where the pass's own tiles are overridden (set_config,
     $FLASHFORGE_TILE_CONFIGS: a sweep or a user chose them, and an override with gluon=True
     asks for Gluon itself)."""
+    key = ("gluon", head_dim, elem_size, causal, tuple(arch), kind)
+    cfg = _memoized(key)
+    if cfg is _memo:
+        cfg = _memo[key] = _gluon_config(head_dim, elem_size, causal, arch, kind)
+    return cfg
+
+
+def _gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, int],
+                  kind: str = "fwd") -> TileConfig | None:
     bucket = _bucket(head_dim)
     base_keys = [(kind, bucket, elem_size)] + ([("fwd_causal", bucket, elem_size)] if causal and kind == "fwd" else [])
     if any(key in source for source in (_overrides, _from_env) for key in base_keys):
@@ -235,6 +266,7 @@ def with_mask(kind: str, cfg: TileConfig) -> TileConfig:
 def set_config(kind: str, head_dim_bucket: int, elem_size: int, config: TileConfig | None) -> None:
     """Override (or with None, restore) one table entry."""
     key = (kind, head_dim_bucket, elem_size)
+    _memo.clear()
     if config is None:
         _overrides.pop(key, None)
     else:
