@@ -1,13 +1,16 @@
 """Where the host time of a short training step goes, piece by piece (a GPU diagnostic for the
 grid's S = 1k rows, whose eager timing measures the host): the whole forward and
-forward+backward; the same with every kernel launch replaced by a no-op (our Python, the
-allocations and autograd); one repeated launch of the Gluon forward alone; one TMA
+forward+backward; the backward called directly on this thread (no autograd engine); each
+launch timed in place inside the step; the same with every kernel launch replaced by a no-op
+(our Python, the allocations and autograd); one repeated launch of the Gluon forward alone; one TMA
 descriptor's encoding; and the autograd engine's cost for a Python `autograd.Function`
 against a built-in op.  Each is host microseconds per call, timed while the GPU is held busy
 so that launches only queue.
 
     PYTHONPATH=. python scripts/host_breakdown.py
 """
+import time
+
 import torch
 
 import flashforge
@@ -42,6 +45,37 @@ def main():
 
     rows = [("fwd, whole", fwd), ("fwd+bwd, whole", fwdbwd)]
     results = [(name, host_us(fn)) for name, fn in rows]
+
+    # the same backward called on this thread, without the autograd engine (its device thread)
+    from flashforge.ops.params import AttnParams
+    params = AttnParams(scale=D ** -0.5, window_right=0)
+    with torch.no_grad():
+        o, lse = launchers.attention_forward(q, k, v, None, params)
+    results.append(("bwd alone, on this thread (no engine)",
+                    host_us(lambda: launchers.attention_backward(do, None, q, k, v, None, o, lse, params, False))))
+
+    # each launch timed where it happens inside the whole step (in-context cost, against the
+    # repeated single launch below): kernel name -> [seconds, calls]
+    spent: dict = {}
+
+    def timed(real_launch):
+        def wrapper(kernel, grid, *args, **kw):
+            t0 = time.perf_counter()
+            real_launch(kernel, grid, *args, **kw)
+            name = getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
+            entry = spent.setdefault(name, [0.0, 0])
+            entry[0] += time.perf_counter() - t0
+            entry[1] += 1
+        return wrapper
+
+    saved = (launchers.launch, gluon_attention.launch)
+    launchers.launch, gluon_attention.launch = timed(saved[0]), timed(saved[1])
+    try:
+        host_us(fwdbwd)
+    finally:
+        launchers.launch, gluon_attention.launch = saved
+    for name, (sec, calls) in sorted(spent.items()):
+        results.append((f"  launch of {name} inside the step", sec / calls * 1e6))
 
     # the same with no kernel launched (outputs stay unwritten: timing only)
     real = (launchers.launch, gluon_attention.launch)
