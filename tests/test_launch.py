@@ -144,3 +144,42 @@ def test_profiler_hooks_take_tritons_path():
     finally:
         hook.remove(probe)
     assert not launch._hooked()
+
+
+def test_direct_launch_passes_what_tritons_launcher_would():
+    """A repeat launch calls Triton's C launcher itself (`launch._direct`): with the same kernel
+    arguments it must pass exactly what Triton 3.6's Python launcher (`CudaLauncher.__call__`,
+    then the wrapper that expands descriptors) would, descriptors expanded in place."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    from types import SimpleNamespace
+
+    from flashforge.ops import launch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    calls = []
+
+    def launch_c(*args):  # stands in for the C launcher
+        calls.append(args)
+    launch_c.__name__ = "launch"
+
+    # a kernel (x_desc, y, n, z_desc, BLOCK: constexpr); descriptors lowered to pointers (no metadata)
+    signature = {"x_desc": "tensordesc<bf16[1, 64, 1, 128]>", "y": "*fp32", "n": "i32",
+                 "z_desc": "tensordesc<bf16[1, 32, 1, 128]>", "BLOCK": "constexpr"}
+    wrapped = driver.wrap_handle_tensordesc(launch_c, signature, None)
+    run = SimpleNamespace(launch=wrapped, global_scratch_size=0, profile_scratch_size=0,
+                          launch_cooperative_grid=False, launch_pdl=True)
+    compiled = SimpleNamespace(run=run, metadata=SimpleNamespace(tensordesc_meta=None),
+                               src=SimpleNamespace(signature=signature), packed_metadata=("meta",), function=1234)
+    t = torch.zeros(2, 100, 4, 128, dtype=torch.bfloat16)
+    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, 128]) for rows in (64, 32)]
+    args = (descs[0], torch.zeros(3), 100, descs[1])
+
+    ready = launch._Ready(compiled, [64], len(args))
+    assert ready.raw is launch_c and [i for i, _ in ready.expand] == [3, 0]
+    launch.launch_ready(ready, (5, 6), 777, args)
+    # Triton's own path: CudaLauncher.__call__ passes (coop, pdl, no scratch) then its arguments
+    wrapped(5, 6, 1, 777, 1234, False, True, None, None, ("meta",), None, None, None, *args, 64)
+    ours, theirs = calls
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert a is b or a == b

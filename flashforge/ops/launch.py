@@ -180,12 +180,12 @@ def _direct(compiled, n_args):
     if run.global_scratch_size or run.profile_scratch_size:
         return None
     raw = run.launch
-    if type(raw).__name__ != "builtin_function_or_method":  # wrapped for descriptors: the C launcher inside
-        cells = [c.cell_contents for c in (raw.__closure__ or ())]
-        raws = [c for c in cells if type(c).__name__ == "builtin_function_or_method" and c.__name__ == "launch"]
-        if len(raws) != 1:
+    if getattr(raw, "__closure__", None):  # Triton's wrapper that expands descriptors: the launcher inside
+        inner = [c.cell_contents for c in raw.__closure__
+                 if callable(c.cell_contents) and getattr(c.cell_contents, "__name__", "") == "launch"]
+        if len(inner) != 1:
             return None
-        raw = raws[0]
+        raw = inner[0]
     metas = getattr(compiled.metadata, "tensordesc_meta", None) or None
     expand, n_desc = [], 0
     for i, sig in enumerate(compiled.src.signature.values()):
@@ -224,6 +224,12 @@ def launch(kernel, grid, *args, **kwargs):
     global hits
     hits += 1
     stream = driver.active.get_current_stream(device)
+    launch_ready(ready, grid, stream, args)
+
+
+def launch_ready(ready: _Ready, grid, stream, args) -> None:
+    """Launch a cached kernel: through Triton's C launcher directly where `_direct` found it,
+    else through the compiled kernel's own launcher."""
     gx, gy, gz = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
     compiled = ready.compiled
     if ready.raw is None:
