@@ -33,8 +33,8 @@ except ImportError:  # pragma: no cover - a Triton without these: always the pla
 
 # On the H200 (scripts/short_calls.py, D = 128, S = 1k) it took the host time of a
 # forward+backward from 0.98-1.17 ms to 0.72-0.86 ms (v0.6.0).  That version's key missed
-# constexprs passed by position, which only some test orders exposed; the GPU suite now also
-# runs in verify mode (benchmarks/RESULTS.md v0.7.0).
+# constexprs passed by position, which only some test orders exposed; a GPU test now runs
+# varied calls in verify mode, and the whole suite passed in it (benchmarks/RESULTS.md v0.7.0).
 ENABLED = os.environ.get("FLASHFORGE_LAUNCH_CACHE", "1") != "0"
 # "verify": every launch served from the cache first asks Triton which kernel it would pick and
 # raises if that is another one (a test aid: it costs Triton's own lookup on every launch)
