@@ -79,6 +79,18 @@ def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, off
 
 
 @gluon.jit
+def _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """Once tile t's Q and dO have landed: S^T_t = K Q_t^T and dP^T_t = V dO_t^T, issued (not awaited)."""
+    wait(bars, t, STAGES)
+    st = warpgroup_mma(k_t, slot(q_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                       is_async=True)
+    dpt = warpgroup_mma(v_t, slot(do_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                        is_async=True)
+    return st, dpt
+
+
+@gluon.jit
 def _tile_grads(st, dpt, t, n_mt, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
                 DELTA, col_s: gl.constexpr, BLOCK_M: gl.constexpr):
     """P^T and dS^T of flattened tile t: with the causal mask on the first n_masked query tiles of each head."""
@@ -155,24 +167,17 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     k_t = k_smem.reshape([BLOCK_N, D])
     v_t = v_smem.reshape([BLOCK_N, D])
 
-    if PIPE:
-        if T > 0:
-            wait(bars, 0, STAGES)
-            st = warpgroup_mma(k_t, slot(q_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-            dpt = warpgroup_mma(v_t, slot(do_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                is_async=True)
-            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-            pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                                  offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
+    if T > 0:
+        # tile 0: its S^T, dP^T alone, so each loop below always has a tile's P^T, dS^T in hand
+        st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, 0, s_zero, BLOCK_M, D, STAGES)
+        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+        pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
+                              offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
+        if PIPE:
             pt = gl.convert_layout(pt.to(dtype), op_layout)
             dst = gl.convert_layout(dst.to(dtype), op_layout)
             for t in range(1, T):
-                wait(bars, t, STAGES)
-                st = warpgroup_mma(k_t, slot(q_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-                dpt = warpgroup_mma(v_t, slot(do_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                    is_async=True)
+                st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
                 dv = warpgroup_mma(pt, slot(do_ring, t - 1, BLOCK_M, D, STAGES), dv, is_async=True)
                 dk = warpgroup_mma(dst, slot(q_ring, t - 1, BLOCK_M, D, STAGES), dk, is_async=True)
                 # S^T_t and dP^T_t are done (the older groups); dV, dK of tile t-1 may still run
@@ -189,28 +194,15 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
             dv = warpgroup_mma(pt, slot(do_ring, last, BLOCK_M, D, STAGES), dv, is_async=True)
             dk = warpgroup_mma(dst, slot(q_ring, last, BLOCK_M, D, STAGES), dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-    else:
-        # one tile at a time (fewer live registers; another program on the SM fills the gaps):
-        # tile t's dV, dK products run while tile t+1's slot is awaited and its S^T, dP^T issued
-        if T > 0:
-            wait(bars, 0, STAGES)
-            st = warpgroup_mma(k_t, slot(q_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-            dpt = warpgroup_mma(v_t, slot(do_ring, 0, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                is_async=True)
-            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-            pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                                  offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
+        else:
+            # one tile at a time (fewer live registers; another program on the SM fills the gaps):
+            # tile t's dV, dK products run while tile t+1's slot is awaited and its S^T, dP^T issued
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, 0, BLOCK_M, D, STAGES), dv,
                                is_async=True)
             dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, 0, BLOCK_M, D, STAGES), dk,
                                is_async=True)
             for t in range(1, T):
-                wait(bars, t, STAGES)
-                st = warpgroup_mma(k_t, slot(q_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-                dpt = warpgroup_mma(v_t, slot(do_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                    is_async=True)
+                st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
                 # also retires tile t-1's dV, dK: its slot is free
                 st, dpt, dv, dk = warpgroup_mma_wait(0, deps=(st, dpt, dv, dk))
                 _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
