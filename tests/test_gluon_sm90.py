@@ -171,6 +171,44 @@ def test_backward_matches_portable_kernels(causal, gluon_bwd_calls):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
+def test_delta_comes_from_the_dq_kernel(monkeypatch):
+    """When both Gluon backward kernels serve, the dQ kernel computes delta (rowsum(o * dO) -
+    dlse) and no preprocess kernel runs; the gradients, dlse's included, match the portable
+    backward's."""
+    from flashforge.ops.triton import attention as launchers
+    if configs.gluon_config(128, 2, False, (9, 0), "bwd_kv") is None or \
+            configs.gluon_config(128, 2, False, (9, 0), "bwd_q") is None:
+        pytest.skip("the table leaves a D = 128 backward pass to the portable kernels")
+    launched = []
+    real = launchers.launch
+
+    def spy(kernel, grid, *args, **kw):
+        launched.append(kernel)
+        return real(kernel, grid, *args, **kw)
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v, do = (torch.randn(2, 700, 4, 128, device="cuda", dtype=BF16, generator=gen) for _ in range(4))
+    dlse = torch.randn(2, 4, 700, device="cuda", generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = flashforge.attention(*leaves, causal=True, backend="triton", return_lse=True)
+    monkeypatch.setattr(launchers, "launch", spy)
+    grads = torch.autograd.grad((o, lse), leaves, (do, dlse))
+    assert launchers.attn_bwd_preprocess_kernel not in launched
+    for bucket in (64, 128):  # the portable kernels' tiles: the preprocess kernel's delta
+        configs.set_config("bwd_kv", bucket, 2, configs.TileConfig(64, 128, 8, 2))
+        configs.set_config("bwd_q", bucket, 2, configs.TileConfig(128, 64, 8, 2))
+    try:
+        o2, lse2 = flashforge.attention(*leaves, causal=True, backend="triton", return_lse=True)
+        ref = torch.autograd.grad((o2, lse2), leaves, (do, dlse))
+    finally:
+        for bucket in (64, 128):
+            configs.set_config("bwd_kv", bucket, 2, None)
+            configs.set_config("bwd_q", bucket, 2, None)
+    assert launchers.attn_bwd_preprocess_kernel in launched
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
 # Packed (varlen) batches through the ragged descriptors: every sequence's rows, and no
 # other's, against the float64 reference run on each sequence alone.  Lengths below a tile,
 # of one row and of none sit next to long ones, so a tile that read or wrote past its

@@ -2,7 +2,8 @@
 calls they serve, and the calls.
 
 Their inputs and outputs mean what the portable kernels' do (o, and lse in natural-log
-units, -inf for rows with no visible key; delta from the portable preprocess kernel), so
+units, -inf for rows with no visible key; delta from the portable preprocess kernel, or from
+the Gluon dQ kernel when both Gluon backward kernels serve), so
 either backward takes either forward's outputs, and each backward kernel (dK/dV, dQ) may be
 Gluon or portable independently.
 """
@@ -183,7 +184,7 @@ def input_descriptors(q, k, v, do, params: AttnParams, cfg):
 
 def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None):
     """dK, dV [B, Sk, Hkv, D] for a call in the Gluon backward's scope (`bwd_call_in_scope`,
-    `bwd_tiles_fit`); delta from the portable preprocess kernel; `inputs`: `input_descriptors`
+    `bwd_tiles_fit`); delta from the preprocess kernel or the dQ kernel; `inputs`: `input_descriptors`
     with this cfg, or None to build them."""
     dkdv, _ = _bwd_kernels()
     Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
@@ -200,17 +201,23 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     return dk, dv
 
 
-def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None):
-    """dQ [B, Sq, Hq, D] for a call in the Gluon backward's scope (`inputs` as for dK/dV)."""
+def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None, o=None,
+                     dlse=None):
+    """dQ [B, Sq, Hq, D] for a call in the Gluon backward's scope (`inputs` as for dK/dV).  With
+    `o` (unit last stride), the kernel also computes delta = rowsum(o * dO) - dlse into `delta`
+    for the dK/dV kernel launched after it (no preprocess kernel); else it reads `delta`."""
     _, dq_kernel = _bwd_kernels()
     Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, offset, br = _sequences(q, k, params, order, lse)
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
+    here = o is not None
+    o_strides = ((0 if params.is_varlen else o.stride(0)), o.stride(1), o.stride(2)) if here else (0, 0, 0)
     launch(dq_kernel, grid, *(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dq, cfg.block_m),
            lse, delta, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, Hq // Hkv, offset, br,
-           params.scale * math.log2(math.e), params.scale,
+           params.scale * math.log2(math.e), params.scale, o if here else lse,
+           dlse if dlse is not None else lse, *o_strides,
            CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
            STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
-           VARLEN=params.is_varlen, num_warps=cfg.num_warps)
+           VARLEN=params.is_varlen, DELTA_HERE=here, HAS_DLSE=here and dlse is not None, num_warps=cfg.num_warps)
     return dq

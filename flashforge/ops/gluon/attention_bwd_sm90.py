@@ -19,7 +19,9 @@ reason, ops/gluon/attention_fwd_sm90.py):
   once dP is done, K's only after dQ += dS K).
 
 Both recompute P = exp2(S * scale * log2(e) - lse * log2(e)) from the forward's
-lse and take delta = rowsum(o * dO) - dlse from the portable preprocess kernel.
+lse.  delta = rowsum(o * dO) - dlse: when both kernels serve a call, the dQ kernel (run
+first) computes it for its rows and stores it for the dK/dV kernel (DELTA_HERE: no
+preprocess kernel, one launch fewer a step); otherwise the portable preprocess kernel does.
 Rows past a sequence's end (dense, or packed through ragged descriptors: see
 pipeline.py): TMA zero-fills them and clips the stores; their lse is read as
 +inf, so their P and dS are 0.  Keys past Sk only ever reach rows of
@@ -38,13 +40,17 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _row_stats(LSE, DELTA, row0, o_m, Sq):
+def _lse2(LSE, row0, o_m, Sq):
     # lse in log2 units (+inf past Sq: P = 0 there; fully masked rows, -inf, shift by 0 so the
-    # masked scores give P = 0, not NaN) and delta
+    # masked scores give P = 0, not NaN)
     lse = gl.load(LSE + row0 + o_m, mask=o_m < Sq, other=float("inf"))
-    lse2 = gl.where(lse == float("-inf"), 0.0, lse * LOG2E)
-    delta = gl.load(DELTA + row0 + o_m, mask=o_m < Sq, other=0.0)
-    return lse2, delta
+    return gl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+
+
+@gluon.jit
+def _row_stats(LSE, DELTA, row0, o_m, Sq):
+    # _lse2 and delta
+    return _lse2(LSE, row0, o_m, Sq), gl.load(DELTA + row0 + o_m, mask=o_m < Sq, other=0.0)
 
 
 @gluon.jit
@@ -243,9 +249,11 @@ def _ds_tile(s, dp, n0, o_m, lse2, delta, Sk, offset, qk_scale, s_layout: gl.con
 
 @gluon.jit
 def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, stride_lb, stride_lh, CU_Q, CU_K,
-                            ORDER, Hq, Sq, Sk, group, offset, bottom_right, qk_scale, scale, CAUSAL: gl.constexpr,
+                            ORDER, Hq, Sq, Sk, group, offset, bottom_right, qk_scale, scale, O, DLSE, stride_ob,
+                            stride_os, stride_oh, CAUSAL: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                            V_STAGES: gl.constexpr, VARLEN: gl.constexpr, num_warps: gl.constexpr):
+                            V_STAGES: gl.constexpr, VARLEN: gl.constexpr, DELTA_HERE: gl.constexpr,
+                            HAS_DLSE: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
     b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, offset, bottom_right, VARLEN)
@@ -281,12 +289,28 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
         load_rows(v_desc, v_ring, v_bars, i, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
 
     o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-    lse2, delta = _row_stats(LSE, DELTA, b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start, o_m, Sq)
+    row = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start  # this head's lse / delta rows
+    lse2 = _lse2(LSE, row, o_m, Sq)
     dq = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar, 0)
     q_t = q_smem.reshape([BLOCK_M, D])
     do_t = do_smem.reshape([BLOCK_M, D])
+    if DELTA_HERE:
+        # delta = rowsum(o * dO) - dlse for these rows, here rather than in a kernel of its own (one
+        # launch fewer a step, and o read once), stored for the dK/dV kernel that runs next
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+        o_rows = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + (q_start + r).to(gl.int64) * stride_os
+        o_tile = gl.load(o_rows[:, None] + c[None, :], mask=(r < Sq)[:, None], other=0.0)
+        d_rows = gl.sum(o_tile.to(gl.float32) * do_t.load(blk).to(gl.float32), axis=1)
+        if HAS_DLSE:
+            d_rows -= gl.load(DLSE + row + r, mask=r < Sq, other=0.0)
+        gl.store(DELTA + row + r, d_rows, mask=r < Sq)
+        delta = gl.convert_layout(d_rows, row_s)
+    else:
+        delta = gl.load(DELTA + row + o_m, mask=o_m < Sq, other=0.0)
 
     if n_tiles > 0:
         wait(k_bars, 0, STAGES)

@@ -225,21 +225,24 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     BD = _padded(D, Dv)
     g_kv, g_q = (None, None) if interpret else _gluon_backward(q, k, v, do, lse, mask, params, cfg_kv, cfg_q, arch)
 
-    # delta = rowsum(o * dO) - dlse (the portable kernel serves every call)
     offsets = params.offset_tensor if params.offset_tensor is not None else q  # (q: a placeholder pointer)
     order = _longest_first(params, offsets)
     delta = torch.empty_like(lse)
+    if g_kv is not None and g_q is not None and o.stride(-1) == 1:  # the common dense case
+        shared = None
+        if (g_kv.block_m, g_kv.block_n) == (g_q.block_m, g_q.block_n):
+            shared = gluon_attention.input_descriptors(q, k, v, do, params, g_kv)
+        # dQ first: it also computes delta = rowsum(o * dO) - dlse, which the dK/dV kernel reads
+        dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order, shared, o, dlse)
+        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order, shared)
+        return dq, dk, dv, None
+
+    # delta = rowsum(o * dO) - dlse (the portable kernel serves every other call)
     launch(attn_bwd_preprocess_kernel, (cdiv(max_sq, cfg_q.block_m), B * Hq),
         o, do, dlse if dlse is not None else delta, delta, params.cu_seqlens_q if vl else offsets,
         *_bshd_strides(o, vl), *_bshd_strides(do, vl), Hq, Sq, Dv,
         HAS_DLSE=dlse is not None, IS_VARLEN=vl, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
     )
-    if g_kv is not None and g_q is not None:  # the common dense case: nothing else to prepare
-        shared = None
-        if (g_kv.block_m, g_kv.block_n) == (g_q.block_m, g_q.block_n):
-            shared = gluon_attention.input_descriptors(q, k, v, do, params, g_kv)
-        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order, shared)
-        return gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order, shared), dk, dv, None
 
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     (offsets, alibi, s_ab, s_ah, cu_q, cu_k, seed_t), scalars, flags = _common_args(q, params)
