@@ -174,6 +174,9 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     descs = _tma_descriptors(q, k, v, params, cfg, _padded(D, Dv), interpret)
     k_desc, v_desc = descs if descs is not None else (k, v)
     grid = (cdiv(rows, cfg.block_m) * splits, B * heads)
+    # the merge of a split call launches as a programmatic dependent (sm_90+): a decoding
+    # step is a few microseconds of work, so the second kernel's launch latency counts
+    pdl = splits > 1 and not interpret and _arch(q)[0] >= 9
     launch(attn_fwd_kernel, grid,
         q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns, k_desc, v_desc,
         _longest_first(params, offsets),
@@ -185,7 +188,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
         ROPE_DIM=0 if rope is None else rope.rotary_dim, ROPE_INTERLEAVED=rope is not None and rope.interleaved,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
         SCALE_POS=params.scale > 0, WS=cfg.ws and not interpret,
-        POLY_EXP2=cfg.poly_exp2 if q.element_size() == 2 else 0,
+        POLY_EXP2=cfg.poly_exp2 if q.element_size() == 2 else 0, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -194,7 +197,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
             o_out.stride(0), o_out.stride(1), o_out.stride(2), o_out.stride(3),
             o.stride(0), o.stride(1), o.stride(2),
             lse_out.stride(0), Hq, Sq, splits, Dv, BLOCK_S=min(64, next_power_of_2(splits)),
-            BLOCK_DV=_padded(Dv, Dv),
+            BLOCK_DV=_padded(Dv, Dv), PDL=pdl, launch_pdl=pdl,
         )
     return o, lse
 

@@ -5,6 +5,7 @@ constexpr flag of this one kernel.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import (LN2, LOG2E, batch_head, exp2_split, full_key_range, key_range, key_rows, load_offset, load_slope,
                      load_tile, lse_row0, score_tile, seq_bounds)
@@ -116,6 +117,7 @@ def attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SCALE_POS: tl.constexpr = False, WS: tl.constexpr = False, POLY_EXP2: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     # Sq, Sk: the lengths of a dense batch; for a packed (varlen) batch, the total
     # rows, with each sequence's bounds read from CU_Q / CU_K (batch strides are 0).
@@ -129,6 +131,11 @@ def attn_fwd_kernel(
     # (decoding: Sq is tiny, the group fills the tile).
     # ROPE_DIM > 0: q is rotated at its absolute positions after loading (TURNS from
     # `rope_turns`).  USE_TMA: K/V tiles through the descriptors K_DESC / V_DESC.
+    # PDL (a split call on sm_90+): let the merge kernel, launched as a programmatic
+    # dependent, start now; it waits (`gdc_wait`) for this grid's partials before reading
+    # them, so its launch latency overlaps this kernel instead of following it.
+    if PDL:
+        gdc_launch_dependents()
     if SEED_FROM_PTR:  # an unseeded call: the seed was drawn on the device
         seed = tl.load(SEED)
     pid_m = tl.program_id(0)
@@ -249,12 +256,15 @@ def attn_fwd_combine_kernel(
     stride_ps, stride_pb, stride_pm, stride_ph,
     stride_ob, stride_om, stride_oh,
     stride_ls, Hq, Sq, num_splits, DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Merge split-KV partials of one query row: lse = logsumexp_s lse_s,
     o = sum_s exp(lse_s - lse) o_s.  The splits are read BLOCK_S at a time as one
     [BLOCK_S, DV] tile (a decoding step's merge is then one round trip to memory,
-    not one per split)."""
+    not one per split).  PDL: launched as a programmatic dependent of the split kernel,
+    so wait for that grid (and its writes) before reading the partials."""
+    if PDL:
+        gdc_wait()
     m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
