@@ -189,3 +189,39 @@ def test_paged_with_key_tiles_wider_and_narrower_than_pages(backend, block_n, mo
         monkeypatch.setattr(configs, "_INTERPRETER", configs.TileConfig(16, block_n, 1, 1))
     got = flashforge.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table, backend="triton")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("splits, rope, dtype", [
+    pytest.param(None, None, torch.bfloat16, id="auto-bf16"),
+    pytest.param(1, Rope(theta=500.0), torch.float32, id="unsplit-rope-fp32"),
+    pytest.param(3, None, torch.float16, id="split3-fp16"),
+])
+def test_decode_loop_is_replayed_and_right_every_step(paged, splits, rope, dtype):
+    """A decoding loop's repeated calls are served from a launch plan (ops/replay.py) after two
+    recorded ones: every step, with new queries, new keys appended and longer rows, matches
+    the float64 reference -- a replay that kept a recorded tensor or length would not."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (launch plans serve CUDA calls)")
+    from flashforge.ops import replay
+    q0, kc, vc, _, _, seqlens, table = _setup("cuda", S_cache=128, s_new=0, Sq=1, paged=paged)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    gen = torch.Generator().manual_seed(5)
+    served0 = replay.served
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for step in range(6):
+        q = torch.randn(B, 1, HQ, D, generator=gen).to("cuda", dtype)
+        k_new, v_new = (torch.randn(B, 1, HKV, D, generator=gen).to("cuda", dtype) for _ in range(2))
+        kc0, vc0 = kc.clone(), vc.clone()
+        o = flashforge.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                             rope=rope, num_splits=splits, backend="triton")
+        if paged:
+            gather = lambda c: c[table.long()].flatten(1, 2)  # noqa: E731
+            ref_k, ref_v = gather(kc0), gather(vc0)
+        else:
+            ref_k, ref_v = kc0, vc0
+        want = _reference(q.cpu().double(), ref_k.cpu().double(), ref_v.cpu().double(), k_new.cpu().double(),
+                          v_new.cpu().double(), seqlens.cpu(), rope=rope)
+        torch.testing.assert_close(o.double().cpu(), want, rtol=tol, atol=tol, msg=f"step {step}")
+        seqlens = seqlens + 1  # a new tensor each step, as a server's would be
+    assert replay.served - served0 >= 4, "the repeated calls were not replayed"

@@ -2,6 +2,7 @@
 (contiguous or paged), appending the new keys and values in place first."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -24,6 +25,11 @@ class Rope:
     theta: float = 10000.0
     style: str = "half"  # "half" (Llama, NeoX) or "interleaved" (GPT-J)
     rotary_dim: Optional[int] = None
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def auto_splits(Sq: int, B: int, Hq: int, Hkv: int, capacity: int, sms: int, block_m: int = 128) -> int:
@@ -127,7 +133,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if backend is None:
         backend = "triton" if dev.type == "cuda" else "torch"
     if num_splits is None:  # split-KV only pays on a GPU
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
+        sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) \
+            if dev.type == "cuda" else 0
         num_splits = auto_splits(Sq, B, Hq, k_cache.shape[2], capacity, sms) if sms else 1
     num_splits = check_int("num_splits", num_splits, minimum=1)
 

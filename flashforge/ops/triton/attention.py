@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .. import replay
 from ..dropout import keep_threshold
 from ..gluon import attention as gluon_attention
 from ..launch import cdiv, launch, next_power_of_2
@@ -20,7 +21,7 @@ from ..tma import tma_ready
 from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bwd_dq_kernel,
                             attn_bwd_preprocess_kernel)
 from .attention_fwd import attn_fwd_combine_kernel, attn_fwd_kernel
-from .configs import get_config, gluon_config, head_dim_block, with_mask
+from .configs import generation, get_config, gluon_config, head_dim_block, with_mask
 from .rope import rope_turns
 
 
@@ -135,6 +136,19 @@ def _batch_and_lengths(q, k, params: AttnParams):
 
 
 def attention_forward(q, k, v, mask, params: AttnParams):
+    if params.seqlens_k is not None and mask is None and q.device.type == "cuda" and replay.usable():
+        # a KV-cache call (decoding: host-bound, repeated with one shape): replayed from a plan
+        # (ops/replay.py) keyed by everything this launcher reads but the tensors' addresses
+        key, named = replay.signature(
+            ("attention_forward", generation(), replay.generation[0], q.device, torch.cuda.current_device()),
+            dict(q=q, k=k, v=v), params)
+        return replay.call(key, named, lambda rec: _forward(q, k, v, None, params, rec))
+    return _forward(q, k, v, mask, params, replay.DIRECT)
+
+
+def _forward(q, k, v, mask, params: AttnParams, rec):
+    """The forward's launches; `rec` makes fresh tensors and launches (`replay.DIRECT`, or a
+    recorder that notes both for a plan)."""
     _, Sq, Hq, D = q.shape  # Sq: rows per (b, h) of o and lse (a packed batch's total)
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     B, max_sq, _ = _batch_and_lengths(q, k, params)
@@ -145,16 +159,16 @@ def attention_forward(q, k, v, mask, params: AttnParams):
         g_cfg = cfg if cfg.gluon else gluon_config(max(D, Dv), q.element_size(), params.window_right >= 0, _arch(q))
         if g_cfg is not None and gluon_attention.in_scope(q, k, v, mask, params, g_cfg, _arch(q)):
             return gluon_attention.attention_forward(q, k, v, params, g_cfg, _longest_first(params, None))
-    o = torch.empty(q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
+    o = rec.fresh(torch.empty, q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
+    lse = rec.fresh(torch.empty, q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     if mask is not None:
         cfg = with_mask("fwd", cfg)
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     (offsets, alibi, s_ab, s_ah, cu_q, cu_k, seed_t), scalars, flags = _common_args(q, params)
     splits = max(1, params.num_splits)
     if splits > 1:  # partials in float32, merged below
-        o_out = torch.empty(splits, *o.shape, dtype=torch.float32, device=q.device)
-        lse_out = torch.empty(splits, *lse.shape, dtype=torch.float32, device=q.device)
+        o_out = rec.fresh(torch.empty, splits, *o.shape, dtype=torch.float32, device=q.device)
+        lse_out = rec.fresh(torch.empty, splits, *lse.shape, dtype=torch.float32, device=q.device)
         split_strides = (o_out.stride(0), lse_out.stride(0))
     else:
         o_out, lse_out, split_strides = o, lse, (0, 0)
@@ -170,14 +184,14 @@ def attention_forward(q, k, v, mask, params: AttnParams):
     pack = group > 1 and max_sq * group <= cfg.block_m
     rows, heads = (max_sq * group, Hkv) if pack else (max_sq, Hq)
     rope = params.q_rope
-    turns = offsets if rope is None else rope_turns(rope.rotary_dim, float(rope.theta), q.device)
+    turns = offsets if rope is None else rec.fresh(rope_turns, rope.rotary_dim, float(rope.theta), q.device)
     descs = _tma_descriptors(q, k, v, params, cfg, _padded(D, Dv), interpret)
     k_desc, v_desc = descs if descs is not None else (k, v)
     grid = (cdiv(rows, cfg.block_m) * splits, B * heads)
     # the merge of a split call launches as a programmatic dependent (sm_90+): a decoding
     # step is a few microseconds of work, so the second kernel's launch latency counts
     pdl = splits > 1 and not interpret and _arch(q)[0] >= 9
-    launch(attn_fwd_kernel, grid,
+    rec.launch(attn_fwd_kernel, grid,
         q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns, k_desc, v_desc,
         _longest_first(params, offsets),
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
@@ -192,7 +206,7 @@ def attention_forward(q, k, v, mask, params: AttnParams):
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        launch(attn_fwd_combine_kernel, (Sq, q.shape[0] * Hq),
+        rec.launch(attn_fwd_combine_kernel, (Sq, q.shape[0] * Hq),
             o_out, lse_out, o, lse,
             o_out.stride(0), o_out.stride(1), o_out.stride(2), o_out.stride(3),
             o.stride(0), o.stride(1), o.stride(2),

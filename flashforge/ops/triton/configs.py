@@ -188,13 +188,27 @@ def _lookup(keys, arch) -> TileConfig | None:
 # only through set_config (which clears this) or by replacing _from_env (tests), checked here
 _memo: dict = {}
 _memo_env: list = [None]
+_generation = [0]  # bumped with every clearing of _memo (launch plans key on it: ops/replay.py)
+
+
+def _clear_memo() -> None:
+    _memo.clear()
+    _generation[0] += 1
 
 
 def _memoized(key):
     if _memo_env[0] is not _from_env:
-        _memo.clear()
+        _clear_memo()
         _memo_env[0] = _from_env
     return _memo.get(key, _memo)  # _memo itself: not there
+
+
+def generation() -> int:
+    """A number that changes whenever a tile lookup may answer differently than before."""
+    if _memo_env[0] is not _from_env:
+        _clear_memo()
+        _memo_env[0] = _from_env
+    return _generation[0]
 
 
 def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal: bool = False,
@@ -266,7 +280,7 @@ def with_mask(kind: str, cfg: TileConfig) -> TileConfig:
 def set_config(kind: str, head_dim_bucket: int, elem_size: int, config: TileConfig | None) -> None:
     """Override (or with None, restore) one table entry."""
     key = (kind, head_dim_bucket, elem_size)
-    _memo.clear()
+    _clear_memo()
     if config is None:
         _overrides.pop(key, None)
     else:

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import replay
 from ..rope_torch import RopeParams
 from .configs import head_dim_block
 from .rope import rope_cos_sin, rope_partner, rope_rotate, rope_turns
@@ -53,14 +54,24 @@ def kvcache_append_kernel(
 def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], rope: Optional[RopeParams]) -> None:
     """Write ``k, v [B, S_new, Hkv, *]`` at positions ``cache_seqlens[b] + i`` (k rotated first if ``rope``)."""
+    if k.shape[0] * k.shape[1] == 0:
+        return
+    if k.device.type == "cuda" and replay.usable():  # a decoding step's append: replayed (ops/replay.py)
+        key, named = replay.signature(("kvcache_append", replay.generation[0], k.device, torch.cuda.current_device(),
+                                       rope), dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                                                   cache_seqlens=cache_seqlens, block_table=block_table))
+        replay.call(key, named, lambda rec: _append(rec, k_cache, v_cache, k, v, cache_seqlens, block_table, rope))
+        return
+    _append(replay.DIRECT, k_cache, v_cache, k, v, cache_seqlens, block_table, rope)
+
+
+def _append(rec, k_cache, v_cache, k, v, cache_seqlens, block_table, rope) -> tuple:
     B, s_new, Hkv, D = k.shape
     Dv = v.shape[-1]
-    if B * s_new == 0:
-        return
     paged = block_table is not None
     bt = block_table if paged else cache_seqlens
-    turns = cache_seqlens if rope is None else rope_turns(rope.rotary_dim, float(rope.theta), k.device)
-    kvcache_append_kernel[(B * s_new, Hkv)](
+    turns = cache_seqlens if rope is None else rec.fresh(rope_turns, rope.rotary_dim, float(rope.theta), k.device)
+    rec.launch(kvcache_append_kernel, (B * s_new, Hkv),
         k, v, k_cache, v_cache, cache_seqlens, bt, turns,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
@@ -69,3 +80,4 @@ def append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: tor
         ROPE_DIM=0 if rope is None else rope.rotary_dim, ROPE_INTERLEAVED=rope is not None and rope.interleaved,
         BLOCK_D=head_dim_block(D), BLOCK_DV=head_dim_block(Dv), num_warps=1,
     )
+    return ()  # nothing made: the cache is written in place
