@@ -225,3 +225,46 @@ def test_decode_loop_is_replayed_and_right_every_step(paged, splits, rope, dtype
         torch.testing.assert_close(o.double().cpu(), want, rtol=tol, atol=tol, msg=f"step {step}")
         seqlens = seqlens + 1  # a new tensor each step, as a server's would be
     assert replay.served - served0 >= 4, "the repeated calls were not replayed"
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_step_in_a_cuda_graph_follows_its_inputs(paged):
+    """A decoding step captured in a CUDA graph after its launch plan formed (the capture then
+    replays the plan, split-KV merge included) reads the static buffers' new contents on every
+    replay: new queries and keys, and one more cached key per step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (CUDA graphs)")
+    _, kc, vc, _, _, seqlens, table = _setup("cuda", S_cache=128, s_new=0, Sq=1, paged=paged)
+    kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    q = torch.zeros(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = (torch.zeros(B, 1, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = seqlens.clone()
+
+    def step():
+        return flashforge.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                                 num_splits=3, backend="triton")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # warm: compiled, two recordings, then the plan serves
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # (the warm-up's appends wrote zeros at lens: each replay overwrites them)
+        out = step()
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        for t, shape in ((q, (B, 1, HQ, D)), (k_new, (B, 1, HKV, D)), (v_new, (B, 1, HKV, D))):
+            t.copy_(torch.randn(*shape, generator=gen))
+        before_k, before_v = kc.clone(), vc.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        if paged:
+            gather = lambda c: c[table.long()].flatten(1, 2)  # noqa: E731
+            ref_k, ref_v = gather(before_k), gather(before_v)
+        else:
+            ref_k, ref_v = before_k, before_v
+        want = _reference(q.cpu().double(), ref_k.cpu().double(), ref_v.cpu().double(), k_new.cpu().double(),
+                          v_new.cpu().double(), lens.cpu())
+        torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
+        lens += 1  # in place: the graph reads the new lengths
