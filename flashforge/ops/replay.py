@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - a Triton without host descriptors: no 
     TensorDescriptor = None
 
 _MAX_PLANS = 256
-_plans: dict = {}  # key -> _Plan, or a _Recording awaiting its second call, or _NEVER
+_plans: dict = {}  # key -> _Plan; ("first", _Plan): recorded once, awaiting the second; or _NEVER
 _NEVER = object()
 served = 0  # calls served by a plan (tests read it)
 generation = [0]  # bumped when what a launcher computes may change (tile table overrides)
