@@ -32,6 +32,11 @@ def _setup(dev, S_cache=64, s_new=2, Sq=2, gen_seed=0, block_size=16, paged=Fals
     return q, kp, vp, k_new, v_new, cache_seqlens, table
 
 
+def _rows(cache, table):
+    """A cache as [B, keys, Hkv, D] rows: a paged one's blocks gathered through its table."""
+    return cache if table is None else cache[table.long()].flatten(1, 2)
+
+
 def _reference(q, kc, vc, k_new, v_new, cache_seqlens, causal=True, window=None, rope=None):
     """Per batch row: the cache's first cache_seqlens keys plus the new ones, in float64."""
     outs = []
@@ -72,11 +77,7 @@ def test_against_reference_and_append(backend, paged, Sq, s_new, kw):
     if s_new:  # an append is an in-place write: autograd's version counters must see it
         assert kc._version > versions[0] and vc._version > versions[1]
     # contiguous view of the (pre-append) cache for the reference
-    if paged:
-        gather = lambda c: c[table.long()].flatten(1, 2)  # noqa: E731
-        ref_k, ref_v = gather(kc0), gather(vc0)
-    else:
-        ref_k, ref_v = kc0, vc0
+    ref_k, ref_v = _rows(kc0, table), _rows(vc0, table)
     want = _reference(q.cpu(), ref_k.cpu(), ref_v.cpu(), None if k_new is None else k_new.cpu(),
                       None if v_new is None else v_new.cpu(), seqlens.cpu(), causal=kw.get("causal", True),
                       window=kw.get("window"), rope=kw.get("rope"))
@@ -204,7 +205,7 @@ def test_decode_loop_is_replayed_and_right_every_step(paged, splits, rope, dtype
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (launch plans serve CUDA calls)")
     from flashforge.ops import replay
-    q0, kc, vc, _, _, seqlens, table = _setup("cuda", S_cache=128, s_new=0, Sq=1, paged=paged)
+    _, kc, vc, _, _, seqlens, table = _setup("cuda", S_cache=128, s_new=0, Sq=1, paged=paged)
     kc, vc = kc.to(dtype), vc.to(dtype)
     gen = torch.Generator().manual_seed(5)
     served0 = replay.served
@@ -215,11 +216,7 @@ def test_decode_loop_is_replayed_and_right_every_step(paged, splits, rope, dtype
         kc0, vc0 = kc.clone(), vc.clone()
         o = flashforge.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table,
                                              rope=rope, num_splits=splits, backend="triton")
-        if paged:
-            gather = lambda c: c[table.long()].flatten(1, 2)  # noqa: E731
-            ref_k, ref_v = gather(kc0), gather(vc0)
-        else:
-            ref_k, ref_v = kc0, vc0
+        ref_k, ref_v = _rows(kc0, table), _rows(vc0, table)
         want = _reference(q.cpu().double(), ref_k.cpu().double(), ref_v.cpu().double(), k_new.cpu().double(),
                           v_new.cpu().double(), seqlens.cpu(), rope=rope)
         torch.testing.assert_close(o.double().cpu(), want, rtol=tol, atol=tol, msg=f"step {step}")
@@ -259,11 +256,7 @@ def test_decode_step_in_a_cuda_graph_follows_its_inputs(paged):
         before_k, before_v = kc.clone(), vc.clone()
         graph.replay()
         torch.cuda.synchronize()
-        if paged:
-            gather = lambda c: c[table.long()].flatten(1, 2)  # noqa: E731
-            ref_k, ref_v = gather(before_k), gather(before_v)
-        else:
-            ref_k, ref_v = before_k, before_v
+        ref_k, ref_v = _rows(before_k, table), _rows(before_v, table)
         want = _reference(q.cpu().double(), ref_k.cpu().double(), ref_v.cpu().double(), k_new.cpu().double(),
                           v_new.cpu().double(), lens.cpu())
         torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
