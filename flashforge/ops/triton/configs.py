@@ -196,18 +196,21 @@ def _clear_memo() -> None:
     _generation[0] += 1
 
 
-def _memoized(key):
+def _check_env() -> None:
+    """Clear the memo if the $FLASHFORGE_TILE_CONFIGS table was replaced since it was filled."""
     if _memo_env[0] is not _from_env:
         _clear_memo()
         _memo_env[0] = _from_env
+
+
+def _memoized(key):
+    _check_env()
     return _memo.get(key, _memo)  # _memo itself: not there
 
 
 def generation() -> int:
     """A number that changes whenever a tile lookup may answer differently than before."""
-    if _memo_env[0] is not _from_env:
-        _clear_memo()
-        _memo_env[0] = _from_env
+    _check_env()
     return _generation[0]
 
 
