@@ -40,8 +40,8 @@ class _Fake:
 
     def launch(self, kernel, grid, *args, **kwargs):
         key = launch_mod.cache_key(kernel, 0, args, kwargs)
-        launch_mod._compiled.setdefault(key, ("ready", kernel))
         self.launched.append(("launch", kernel, args))
+        return launch_mod._compiled.setdefault(key, ("ready", kernel))
 
     def launch_ready(self, ready, grid, stream, args):
         assert stream == 7

@@ -203,23 +203,25 @@ def _direct(compiled, n_args):
 
 def launch(kernel, grid, *args, **kwargs):
     """`kernel[grid](*args, **kwargs)`: positional arguments first, then keywords for the rest
-    (constexprs and launch options), each parameter named."""
+    (constexprs and launch options), each parameter named.  Returns the cache's entry that
+    serves these arguments from now on (`_Ready`, which `launch_ready` takes), or None where
+    the launch took Triton's own path and nothing was cached."""
     if not ENABLED or JITFunction is None or not isinstance(kernel, JITFunction) or _hooked():
         kernel[grid](*args, **kwargs)
-        return
+        return None
     device = driver.active.get_current_device()
     key = cache_key(kernel, device, args, kwargs)
     if key is None:
         kernel[grid](*args, **kwargs)
-        return
+        return None
     ready = _compiled.get(key)
     if ready is None:
         compiled = kernel[grid](*args, **kwargs)
         if compiled is not None and not hasattr(compiled, "result"):
             trailing = _trailing(kernel, len(args), kwargs)
             if trailing is not None:
-                _compiled[key] = _Ready(compiled, trailing, len(args))
-        return
+                ready = _compiled[key] = _Ready(compiled, trailing, len(args))
+        return ready
     if VERIFY and kernel.warmup(*args, grid=grid, **kwargs) is not ready.compiled:
         raise RuntimeError(f"launch cache: {kernel.fn.__name__} served a kernel Triton would not pick for "
                            f"these arguments (key {key[2:4]})")
@@ -227,6 +229,7 @@ def launch(kernel, grid, *args, **kwargs):
     hits += 1
     stream = driver.active.get_current_stream(device)
     launch_ready(ready, grid, stream, args)
+    return ready
 
 
 def launch_ready(ready: _Ready, grid, stream, args) -> None:

@@ -28,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - a Triton without host descriptors: no descriptor slots
     TensorDescriptor = None
 
-_MAX_PLANS = 256
+_MAX_PLANS = 1024  # a few kB each; a server's batch sizes x query lengths fit
 _plans: dict = {}  # key -> _Plan; ("first", _Plan): recorded once, awaiting the second; or _NEVER
 _NEVER = object()
 served = 0  # calls served by a plan (tests read it)
@@ -101,7 +101,7 @@ class _Recording:
                     self.ok = False
                 self.names[id(t)] = name
         self.made = []  # (tensor, Fresh)
-        self.launches = []  # (kernel, grid, args, kwargs)
+        self.launches = []  # (launch cache entry or None, grid, args)
 
     def fresh(self, fn, *args, **kwargs):
         t = fn(*args, **kwargs)
@@ -109,20 +109,16 @@ class _Recording:
         return t
 
     def launch(self, kernel, grid, *args, **kwargs):
-        launch_mod.launch(kernel, grid, *args, **kwargs)
-        self.launches.append((kernel, grid, args, kwargs))
+        self.launches.append((launch_mod.launch(kernel, grid, *args, **kwargs), grid, args))
 
     def plan(self, result) -> "_Plan | None":
         """The plan of what was recorded, or None where it cannot be replayed."""
         if not self.ok or not launch_mod.ENABLED or launch_mod.VERIFY:
             return None
         made = {id(t): i for i, (t, _) in enumerate(self.made)}
-        device = launch_mod.driver.active.get_current_device()
         steps = []
-        for kernel, grid, args, kwargs in self.launches:
-            key = launch_mod.cache_key(kernel, device, args, kwargs)
-            ready = launch_mod._compiled.get(key) if key is not None else None
-            if ready is None:
+        for ready, grid, args in self.launches:
+            if ready is None:  # Triton's own path: nothing cached to replay
                 return None
             template, slots = list(args), []
             for i, a in enumerate(args):
@@ -144,7 +140,7 @@ class _Recording:
                     fields = tuple((f, v) for f, v in vars(a).items() if f != "base")
                     slots.append((i, "desc", (self.names[id(base)], fields)))
                     template[i] = None
-            steps.append((ready, tuple(grid), template, tuple(slots), key[2:]))
+            steps.append((ready, tuple(grid), template, tuple(slots)))
         outs = []
         for t in result:
             if id(t) not in made:
@@ -160,12 +156,12 @@ class _Plan:
         self.steps, self.fresh, self.outs = steps, fresh, outs
 
     def same(self, other: "_Plan") -> bool:
-        """Whether two recordings launched the same things: kernels (and their specialization),
-        grids, constants (the same objects, for tensors) and slots."""
+        """Whether two recordings launched the same things: compiled kernels (one launch-cache
+        entry per specialization), grids, constants (the same objects, for tensors) and slots."""
         if self.fresh != other.fresh or self.outs != other.outs or len(self.steps) != len(other.steps):
             return False
-        for (r1, g1, t1, s1, k1), (r2, g2, t2, s2, k2) in zip(self.steps, other.steps):
-            if r1 is not r2 or g1 != g2 or s1 != s2 or k1 != k2 or len(t1) != len(t2):
+        for (r1, g1, t1, s1), (r2, g2, t2, s2) in zip(self.steps, other.steps):
+            if r1 is not r2 or g1 != g2 or s1 != s2 or len(t1) != len(t2):
                 return False
             for a, b in zip(t1, t2):
                 if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -178,7 +174,7 @@ class _Plan:
     def run(self, named: dict):
         made = [f.fn(*f.args, **f.kwargs) for f in self.fresh]
         stream = None
-        for ready, grid, template, slots, _ in self.steps:
+        for ready, grid, template, slots in self.steps:
             args = list(template)
             for i, kind, ref in slots:
                 if kind == "in":
