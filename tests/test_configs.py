@@ -105,7 +105,7 @@ def test_other_architectures_get_the_generic_table():
     assert configs.get_config("fwd", 128, 2, False, arch=(9, 0)) == configs._SM90[("fwd", 128, 2)]
     # every kind, bucket and dtype has a generic entry, and none of them asks for TMA or
     # Gluon (sm_90 only: the Gluon forward has no generic entries)
-    assert ({k for k in configs._SM90 if not k[0].endswith(("_causal", "_gluon", "_dropout"))}
+    assert ({k for k in configs._SM90 if not k[0].endswith(("_causal", "_decode", "_gluon", "_dropout"))}
             == set(configs._GENERIC))
     assert not any(c.tma or c.ws or c.fused_dq or c.gluon for c in configs._GENERIC.values())
     for arch in [(8, 0), (10, 0)]:
@@ -136,3 +136,20 @@ def test_gluon_config_yields_to_forward_overrides():
         configs.set_config("bwd_q", 128, 2, None)
     assert configs.parse_configs({"fwd_gluon/128/2": {"block_m": 64, "block_n": 64, "num_warps": 4,
                                                        "num_stages": 2, "gluon": True}})
+
+
+def test_decode_entry_serves_kv_cache_calls_only_where_there_is_one():
+    """A KV-cache call asks with decode=True: the "fwd_decode" entry over the causal and plain
+    ones at each level; without one (fp32 here), the tiles a plain call would get."""
+    dec = configs.get_config("fwd", 128, 2, False, causal=True, decode=True)
+    assert dec == configs._SM90[("fwd_decode", 128, 2)] and dec.block_m == 16
+    assert configs.get_config("fwd", 128, 2, False, decode=True) == dec
+    assert configs.get_config("fwd", 128, 4, False, causal=True, decode=True) == configs._SM90[("fwd", 128, 4)]
+    assert configs.get_config("bwd_q", 128, 2, False, decode=True) == configs._SM90[("bwd_q", 128, 2)]
+    cfg = TileConfig(32, 32, 4, 1)
+    configs.set_config("fwd_causal", 128, 2, cfg)  # an override beats the table's decode entry
+    try:
+        assert configs.get_config("fwd", 128, 2, False, causal=True, decode=True) == cfg
+    finally:
+        configs.set_config("fwd_causal", 128, 2, None)
+    assert configs.get_config("fwd", 128, 2, False, causal=True, decode=True) == dec

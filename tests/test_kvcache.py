@@ -165,11 +165,15 @@ def test_decode_step_compiles_fullgraph():
 
 def test_auto_splits_fills_the_gpu_only_when_needed():
     from flashforge.api.kvcache import auto_splits
-    # decode, GQA 32/8: 8 packed programs per sequence
-    assert auto_splits(1, 1, 32, 8, 131072, sms=132) == 16  # 8 programs x 16: one wave of 132 SMs
-    assert auto_splits(1, 1, 32, 8, 512, sms=132) == 2  # >= 256 keys per split
-    assert auto_splits(1, 4, 32, 8, 131072, sms=132) == 4  # 32 programs x 4 (x 5 would be two waves)
-    assert auto_splits(1, 16, 32, 8, 131072, sms=132) == 1  # 128 programs: already one wave
+    # decode, GQA 32/8: 8 packed programs per sequence; 16-row tiles, two programs per SM
+    assert auto_splits(1, 1, 32, 8, 131072, sms=132) == 33  # 8 programs x 33: two per SM of 132
+    assert auto_splits(1, 1, 32, 8, 4096, sms=132) == 16  # >= 256 keys per split
+    assert auto_splits(1, 1, 32, 8, 512, sms=132) == 2
+    assert auto_splits(1, 4, 32, 8, 131072, sms=132) == 8  # 32 programs x 8 (x 9 would overflow)
+    assert auto_splits(1, 16, 32, 8, 131072, sms=132) == 2  # 128 programs x 2
+    # 64-row tiles (one program per SM): 8 query rows x 8 heads of a group
+    assert auto_splits(8, 1, 64, 8, 131072, sms=132) == 16
+    assert auto_splits(8, 16, 64, 8, 131072, sms=132) == 1  # 128 programs: already one wave
     assert auto_splits(1, 32, 32, 8, 131072, sms=132) == 1  # 256 programs: already two waves
     assert auto_splits(1, 128, 32, 8, 131072, sms=132) == 1  # 1024 programs fill the GPU already
     assert auto_splits(512, 2, 32, 32, 131072, sms=132) == 1  # prefill chunk: 4 query blocks x 64 heads
@@ -261,3 +265,26 @@ def test_decode_step_in_a_cuda_graph_follows_its_inputs(paged):
                           v_new.cpu().double(), lens.cpu())
         torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
         lens += 1  # in place: the graph reads the new lengths
+
+
+def test_appending_call_passes_the_callers_counts_and_the_added_keys(monkeypatch):
+    """With new keys the kernels are handed the caller's own cache_seqlens tensor and the number
+    of keys appended (they add it themselves): no `cache_seqlens + S_new` tensor, which would be
+    one more kernel in every decoding step."""
+    import flashforge.api.kvcache as api
+    seen = {}
+    real = api.attention_kvcache_function
+
+    def spy(q, k_cache, v_cache, params, backend):
+        seen["params"] = params
+        return real(q, k_cache, v_cache, params, backend)
+    monkeypatch.setattr(api, "attention_kvcache_function", spy)
+    kc, vc = torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
+    q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
+    lens = torch.tensor([5, 20], dtype=torch.int32)
+    o = flashforge.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, backend="torch")
+    assert seen["params"].seqlens_k is lens and seen["params"].seqlens_k_add == 3
+    want = torch.stack([reference.attention(q[b:b + 1].double(), kc[b:b + 1, :n + 3].double(),
+                                            vc[b:b + 1, :n + 3].double(), causal=True, causal_offset=n)[0]
+                        for b, n in enumerate(lens.tolist())])
+    torch.testing.assert_close(o.double(), want, atol=1e-5, rtol=1e-5)

@@ -40,13 +40,13 @@ def _(k_cache, v_cache, k, v, cache_seqlens, block_table, rope_theta, rope_dim, 
 def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
                       q_pos: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
                       alibi_slopes: Optional[torch.Tensor], scale: float, window_left: int, window_right: int,
-                      softcap: float, num_splits: int, rope_theta: float, rope_dim: int, rope_interleaved: bool,
-                      backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    # q_pos None: queries aligned bottom-right against each row's key count (seqlens_k)
+                      softcap: float, num_splits: int, seqlens_k_add: int, rope_theta: float, rope_dim: int,
+                      rope_interleaved: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # q_pos None: queries aligned bottom-right against each row's key count (seqlens_k + seqlens_k_add)
     params = AttnParams(scale=scale, window_left=window_left, window_right=window_right, offset_tensor=q_pos,
                         offset_bottom_right=q_pos is None,
                         softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, block_table=block_table,
-                        num_splits=num_splits, q_rope=_rope(rope_theta, rope_dim, rope_interleaved))
+                        num_splits=num_splits, seqlens_k_add=seqlens_k_add, q_rope=_rope(rope_theta, rope_dim, rope_interleaved))
     return backend_module("attention", backend).attention_forward(q, k_cache, v_cache, None, params)
 
 
@@ -68,7 +68,7 @@ def attention_kvcache_function(q, k_cache, v_cache, params: AttnParams, backend:
         return backend_module("attention", backend).attention_forward(q, k_cache, v_cache, None, params)
     return torch.ops.flashforge.attention_kvcache(q, k_cache, v_cache, p.seqlens_k, p.offset_tensor, p.block_table,
                                                   p.alibi_slopes, p.scale, p.window_left, p.window_right, p.softcap,
-                                                  p.num_splits, *_rope_args(p.q_rope), backend)
+                                                  p.num_splits, p.seqlens_k_add, *_rope_args(p.q_rope), backend)
 
 
 def kvcache_append_function(k_cache, v_cache, k, v, cache_seqlens, block_table, rope: Optional[RopeParams],

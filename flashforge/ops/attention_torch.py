@@ -270,8 +270,10 @@ def _kvcache_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tup
         v = v[params.block_table.long()].flatten(1, 2)
     else:
         k, v = k[:B], v[:B]
-    keep = torch.arange(k.shape[1], device=q.device) < params.seqlens_k.view(B, 1, 1, 1)  # [B, 1, 1, Sk]
-    return attention_forward(q, k, v, keep, replace(params, seqlens_k=None, block_table=None, num_splits=1))
+    lengths = params.seqlens_k.view(B, 1, 1, 1) + params.seqlens_k_add
+    keep = torch.arange(k.shape[1], device=q.device) < lengths  # [B, 1, 1, Sk]
+    return attention_forward(q, k, v, keep, replace(params, seqlens_k=None, seqlens_k_add=0, block_table=None,
+                                                    num_splits=1))
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],

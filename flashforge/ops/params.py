@@ -50,6 +50,9 @@ class AttnParams:
     # block_table (int32 [B, max_blocks]) k/v are paged [num_blocks, block_size, Hkv, *]
     # and key j of row b is row j % block_size of block block_table[b, j // block_size].
     seqlens_k: Optional[torch.Tensor] = None
+    # keys appended by this call, counted on top of seqlens_k (row b sees seqlens_k[b] + this):
+    # the Triton kernel adds it itself, so a decoding step with new keys launches no add
+    seqlens_k_add: int = 0
     block_table: Optional[torch.Tensor] = None
     num_splits: int = 1  # split-KV: keys divided among this many programs, merged by lse
     # RoPE applied to q inside the forward, at each query's absolute position i + offset

@@ -159,6 +159,13 @@ def _forward(q, k, v, mask, params: AttnParams, rec):
         g_cfg = cfg if cfg.gluon else gluon_config(max(D, Dv), q.element_size(), params.window_right >= 0, _arch(q))
         if g_cfg is not None and gluon_attention.in_scope(q, k, v, mask, params, g_cfg, _arch(q)):
             return gluon_attention.attention_forward(q, k, v, params, g_cfg, _longest_first(params, None))
+    group = Hq // Hkv
+    if params.seqlens_k is not None and mask is None:
+        # a KV-cache call: its own tiles where its rows (x the group, packed) fit one of them
+        d_cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0,
+                           arch=_arch(q), decode=True)
+        if max_sq * group <= d_cfg.block_m:
+            cfg = d_cfg
     o = rec.fresh(torch.empty, q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = rec.fresh(torch.empty, q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)
     if mask is not None:
@@ -179,7 +186,6 @@ def _forward(q, k, v, mask, params: AttnParams, rec):
     else:
         bt, page, paging = offsets, 1, (0, 0, 0)
         k_strides, v_strides = _bshd_strides(k, vl), _bshd_strides(v, vl)
-    group = Hq // Hkv
     # decoding-like calls (the group's rows fit one tile) read K/V once per group
     pack = group > 1 and max_sq * group <= cfg.block_m
     rows, heads = (max_sq * group, Hkv) if pack else (max_sq, Hq)
@@ -195,7 +201,7 @@ def _forward(q, k, v, mask, params: AttnParams, rec):
         q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns, k_desc, v_desc,
         _longest_first(params, offsets),
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
-        *m_strides, s_ab, s_ah, *paging, *split_strides, splits,
+        *m_strides, s_ab, s_ah, *paging, *split_strides, splits, params.seqlens_k_add,
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, HAS_SEQLENS_K=params.seqlens_k is not None,
         PAGED=paged, PAGE=page, IS_SPLIT=splits > 1, PACK_GQA=pack, USE_TMA=descs is not None,

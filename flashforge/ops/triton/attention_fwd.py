@@ -106,7 +106,7 @@ def attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
-    stride_btb, stride_kp, stride_vp, stride_os_split, stride_ls_split, num_splits,
+    stride_btb, stride_kp, stride_vp, stride_os_split, stride_ls_split, num_splits, seqlens_k_add,
     Hq, Sq, Sk, D: tl.constexpr, DV: tl.constexpr, GROUP,
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
@@ -121,7 +121,8 @@ def attn_fwd_kernel(
 ):
     # Sq, Sk: the lengths of a dense batch; for a packed (varlen) batch, the total
     # rows, with each sequence's bounds read from CU_Q / CU_K (batch strides are 0).
-    # A KV cache: CU_K holds each row's key count (HAS_SEQLENS_K); PAGED reads
+    # A KV cache: CU_K holds each row's key count before this call's seqlens_k_add new keys
+    # (HAS_SEQLENS_K); PAGED reads
     # keys through the block table BT [B, max_blocks] (pages of PAGE rows).
     # IS_SPLIT (split-KV): axis 0 also spans num_splits slices of the keys; each
     # writes its normalised partial o and lse at split * stride_*_split, and
@@ -163,7 +164,8 @@ def attn_fwd_kernel(
     b64 = b.to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    q_start, Sq_b, k_start, Sk_b = seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN, HAS_SEQLENS_K)
+    q_start, Sq_b, k_start, Sk_b = seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN, HAS_SEQLENS_K,
+                                                   seqlens_k_add)
     row0 = lse_row0(b, h, Hq, Sq, q_start, IS_VARLEN)  # scalar, or [BM] when packed
     if IS_SPLIT:
         O += tl.cast(split, tl.int64) * stride_os_split

@@ -126,10 +126,11 @@ def batch_head(ORDER, pid, H, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr, HAS_SEQLENS_K: tl.constexpr = False):
+def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr, HAS_SEQLENS_K: tl.constexpr = False, k_add=0):
     """(q_start, Sq_b, k_start, Sk_b): where sequence b's rows start in the packed
     tensors and how many there are.  Dense batches: (0, Sq, 0, Sk); with
-    HAS_SEQLENS_K (a KV cache), CU_K holds each batch row's key count instead."""
+    HAS_SEQLENS_K (a KV cache), CU_K holds each batch row's key count instead, to which
+    k_add (the keys this call appended) is added."""
     if IS_VARLEN:
         q_start = tl.load(CU_Q + b)
         Sq_b = tl.load(CU_Q + b + 1) - q_start
@@ -140,7 +141,7 @@ def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr, HAS_SEQLENS_K: tl
         Sq_b = Sq
         k_start = 0
         if HAS_SEQLENS_K:
-            Sk_b = tl.load(CU_K + b)
+            Sk_b = tl.load(CU_K + b) + k_add
         else:
             Sk_b = Sk
     return q_start, Sq_b, k_start, Sk_b

@@ -64,6 +64,11 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     ("fwd", 128, 2): TileConfig(128, 128, 8, 3),
     ("fwd_causal", 64, 2): TileConfig(128, 64, 8, 3),
     ("fwd_causal", 128, 2): TileConfig(64, 64, 4, 3, tma=True),
+    # KV-cache calls whose query rows (x the GQA group) fit 16 rows -- decoding: 16-row tiles
+    # (mma.sync; 64-row wgmma tiles computed 16x the rows there are).  H200 sweep in CUDA graphs,
+    # GQA 32/8, auto splits, GB/s for 64 x 64 -> 16 x 64 (benchmarks/RESULTS.md v0.7.2):
+    # B = 1 4k 1205 -> 1295, 32k 2878 -> 2933; B = 4 4k 2277 -> 2335; B >= 32 and 128k level
+    ("fwd_decode", 128, 2): TileConfig(16, 64, 4, 3, tma=True),
     # The Gluon forward (ops/gluon) for the calls in its scope, one warpgroup per program (two
     # programs per SM), against the portable tiles above; H200, S = 1k / 4k / 16k, TFLOP/s
     # (benchmarks/RESULTS.md v0.4.0): D = 128: 480 / 544 / 510 against 381 / 493 / 528,
@@ -136,7 +141,7 @@ _GENERIC: dict[tuple[str, int, int], TileConfig] = {
 _TABLES: dict[tuple[int, int], dict] = {(9, 0): _SM90}
 _TABLE = _SM90  # the measured table (tests and tools read it)
 _INTERPRETER = TileConfig(16, 16, 1, 1)
-KINDS = ("fwd", "fwd_causal", "fwd_gluon", "fwd_gluon_causal", "bwd_kv", "bwd_kv_dropout", "bwd_q", "bwd_kv_gluon",
+KINDS = ("fwd", "fwd_causal", "fwd_decode", "fwd_gluon", "fwd_gluon_causal", "bwd_kv", "bwd_kv_dropout", "bwd_q", "bwd_kv_gluon",
          "bwd_q_gluon")
 _overrides: dict[tuple[str, int, int], TileConfig] = {}
 ENV_FILE = "FLASHFORGE_TILE_CONFIGS"
@@ -215,26 +220,30 @@ def generation() -> int:
 
 
 def get_config(kind: str, head_dim: int, elem_size: int, interpret: bool, causal: bool = False,
-               arch: tuple[int, int] = (9, 0), dropout: bool = False) -> TileConfig:
+               arch: tuple[int, int] = (9, 0), dropout: bool = False, decode: bool = False) -> TileConfig:
     """The tiles for one kernel on a GPU of compute capability `arch`.  causal (forward
     only): a "fwd_causal" entry, where there is one, takes precedence over "fwd" at the
     same level (set_config, then the $FLASHFORGE_TILE_CONFIGS file, then the arch's table);
-    dropout (dK/dV only): likewise a "bwd_kv_dropout" entry over "bwd_kv"."""
+    decode (forward only, a KV-cache call): likewise a "fwd_decode" entry over both (the
+    launcher takes it where the call's rows fit its block_m); dropout (dK/dV only): likewise
+    a "bwd_kv_dropout" entry over "bwd_kv"."""
     if interpret:
         return _INTERPRETER
-    key = ("get", kind, head_dim, elem_size, causal, tuple(arch), dropout)
+    key = ("get", kind, head_dim, elem_size, causal, tuple(arch), dropout, decode)
     cfg = _memoized(key)
     if cfg is _memo:
-        cfg = _memo[key] = _get_config(kind, head_dim, elem_size, causal, arch, dropout)
+        cfg = _memo[key] = _get_config(kind, head_dim, elem_size, causal, arch, dropout, decode)
     return cfg
 
 
 def _get_config(kind: str, head_dim: int, elem_size: int, causal: bool, arch: tuple[int, int],
-                dropout: bool) -> TileConfig:
+                dropout: bool, decode: bool = False) -> TileConfig:
     bucket = _bucket(head_dim)
     keys = [(kind, bucket, elem_size)]
     if causal and kind == "fwd":
         keys.insert(0, ("fwd_causal", bucket, elem_size))
+    if decode and kind == "fwd":
+        keys.insert(0, ("fwd_decode", bucket, elem_size))
     if dropout and kind == "bwd_kv":
         keys.insert(0, ("bwd_kv_dropout", bucket, elem_size))
     cfg = _lookup(keys, arch)
