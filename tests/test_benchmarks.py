@@ -352,3 +352,29 @@ def test_sweep_kind_ranks_correct_configs_only():
     text = sweep.report("fwd", res, 128, 2, 3)
     assert "2 of 4 configs ran correctly" in text and "(2.00x table)" in text
     assert text.splitlines()[-1].strip() == 'table entry: ("fwd", 128, 2): TileConfig(64, 64, 4, 2),'
+
+
+@pytest.mark.parametrize("n_k, n_v", [(3 * 8192 + 5, 2 * 4096 + 1), (1000, 70000)])
+def test_read_floor_reads_every_element_once(n_k, n_v):
+    """The decode table's floor kernel (benchmarks/attention/read_floor.py) sums each of k's
+    and v's elements exactly once, for every program shape it is timed with (interpreter)."""
+    from attention import read_floor
+    k = torch.randn(n_k, dtype=torch.bfloat16)
+    v = torch.randn(n_v, dtype=torch.bfloat16)
+    want = k.double().sum() + v.double().sum()
+    for fn in read_floor.readers(k, v):
+        fn()
+        sink = fn.__defaults__[2]
+        assert torch.isclose(sink.double().sum(), want, rtol=1e-4, atol=1e-2), (sink.sum(), want)
+    with pytest.raises(ValueError, match="contiguous"):
+        read_floor.readers(k[::2], v)
+
+
+def test_graph_table_shows_the_read_floor_and_ratio():
+    from attention.report import format_graph_table
+    case = decode_cases()[0]
+    row = make_row(case, 300.0, {"cudnn": 500.0}, ok=True, layout="contiguous",
+                   extra={"cudagraph_gbps": {"ours": 1200.0, "cudnn": 1300.0, "read": 2400.0}})
+    text = format_graph_table([row])
+    assert "read" in text.splitlines()[1] and "ours/read" in text.splitlines()[1]
+    assert text.splitlines()[-1].split()[-2:] == ["0.92", "0.50"]

@@ -247,6 +247,13 @@ class Runner:
                         case, self._timed_fn(impl, leaves, do, False))
             except Exception as e:
                 st.extra.setdefault("cudagraph_errors", {})[impl.name] = _short_error(e)
+            if impl.name == "ours":  # the floor of the same bytes, read by a kernel that only reads
+                try:
+                    from .read_floor import readers
+                    st.extra.setdefault("cudagraph_gbps", {})["read"] = max(
+                        self._cudagraph(case, fn) or 0.0 for fn in readers(inp.k, inp.v))
+                except Exception as e:
+                    st.extra.setdefault("cudagraph_errors", {})["read"] = _short_error(e)
 
     def _cudagraph(self, case: Case, fn: Callable, n: int = 20, reps: int = 5) -> Optional[float]:
         """Throughput of fn replayed from a CUDA graph, as a server's decoding loop runs it (no
