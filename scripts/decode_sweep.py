@@ -29,34 +29,6 @@ CANDIDATES = ((64, 64, 4, 3), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 2), (
 SPLITS = (None, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def graph_us(fn, flush, n: int = 20, reps: int = 5) -> float:
-    def graph(with_fn):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(n):
-                flush.zero_()
-                if with_fn:
-                    fn()
-        return g
-
-    def replay_ms(g):
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
-    with torch.no_grad():
-        fn()
-        torch.cuda.synchronize()
-        g_fn, g_flush = graph(True), graph(False)
-        replay_ms(g_fn)
-        return (replay_ms(g_fn) - replay_ms(g_flush)) / n * 1e3
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--max-seconds", type=float, default=380.0)
@@ -73,9 +45,12 @@ def main(argv=None) -> int:
     from flashforge.ops.triton.configs import TileConfig, set_config
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from attention.read_floor import readers
+    from attention.runner import graph_ms
 
     t0, dev = time.time(), torch.device("cuda")
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=dev)
+
+    def graph_us(fn):
+        return graph_ms(fn, dev) * 1e3
     rows, data = [], {}
 
     def gbps(B, L, us):
@@ -86,14 +61,14 @@ def main(argv=None) -> int:
         k = torch.randn(B, L, HKV, D, device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         lens = torch.full((B,), L, dtype=torch.int32, device=dev)
-        us = min(graph_us(fn, flush) for fn in readers(k, v))
+        us = min(graph_us(fn) for fn in readers(k, v))
         rows.append(dict(kind="read", B=B, L=L, us=us, gbps=gbps(B, L, us)))
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             us = graph_us(lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                                 v.transpose(1, 2), enable_gqa=True), flush)
+                                                                 v.transpose(1, 2), enable_gqa=True))
         rows.append(dict(kind="cudnn", B=B, L=L, us=us, gbps=gbps(B, L, us)))
         ref = flashforge.attention_with_kvcache(q, k, v, cache_seqlens=lens).float()
-        us = graph_us(lambda: flashforge.attention_with_kvcache(q, k, v, cache_seqlens=lens), flush)
+        us = graph_us(lambda: flashforge.attention_with_kvcache(q, k, v, cache_seqlens=lens))
         rows.append(dict(kind="table", B=B, L=L, us=us, gbps=gbps(B, L, us)))
         data[(B, L)] = (q, k, v, lens, ref)
         print(f"B={B} L={L}: read {rows[-3]['gbps']:.0f} cuDNN {rows[-2]['gbps']:.0f} table {rows[-1]['gbps']:.0f} GB/s",
@@ -114,7 +89,7 @@ def main(argv=None) -> int:
                             o = flashforge.attention_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=s)
                             err = ((o.float() - ref).norm() / ref.norm()).item()
                             us = graph_us(lambda: flashforge.attention_with_kvcache(q, k, v, cache_seqlens=lens,
-                                                                                    num_splits=s), flush)
+                                                                                    num_splits=s))
                             rows.append(dict(kind="candidate", cfg=cfg, B=B, L=L, splits=s, us=us,
                                              gbps=gbps(B, L, us), err=err))
                         except Exception as e:  # noqa: BLE001 -- out of resources: skipped with its error

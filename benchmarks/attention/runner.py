@@ -255,38 +255,9 @@ class Runner:
                 except Exception as e:
                     st.extra.setdefault("cudagraph_errors", {})["read"] = _short_error(e)
 
-    def _cudagraph(self, case: Case, fn: Callable, n: int = 20, reps: int = 5) -> Optional[float]:
-        """Throughput of fn replayed from a CUDA graph, as a server's decoding loop runs it (no
-        host work per call).  Each call follows an L2 flush, as in do_bench; the flushes alone
-        are captured and timed too, and subtracted: median over `reps` replays of n calls."""
-        flush = torch.empty(256 * 2**20, dtype=torch.int8, device=self.device)
-
-        def graph(with_fn: bool):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(n):
-                    flush.zero_()
-                    if with_fn:
-                        fn()
-            return g
-
-        def replay_ms(g) -> float:
-            times = []
-            for _ in range(reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            return sorted(times)[len(times) // 2]
-
-        with torch.no_grad():
-            fn()  # compiled and warm before capture
-            torch.cuda.synchronize(self.device)
-            g_fn, g_flush = graph(True), graph(False)
-            replay_ms(g_fn)
-            ms = (replay_ms(g_fn) - replay_ms(g_flush)) / n
+    def _cudagraph(self, case: Case, fn: Callable) -> Optional[float]:
+        """Throughput of fn replayed from a CUDA graph (`graph_ms`)."""
+        ms = graph_ms(fn, self.device)
         return throughput(case, ms) if ms > 0 else None
 
     def _cleanup(self) -> None:
@@ -296,3 +267,37 @@ class Runner:
             except Exception:
                 pass
             torch.cuda.empty_cache()
+
+
+def graph_ms(fn: Callable, device, n: int = 20, reps: int = 5) -> float:
+    """Milliseconds per call of fn replayed from a CUDA graph, as a server's decoding loop runs
+    it (no host work per call).  Each call follows an L2 flush, as in do_bench; the flushes
+    alone are captured and timed too, and subtracted: median over `reps` replays of n calls."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+
+    def graph(with_fn: bool):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        return g
+
+    def replay_ms(g) -> float:
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
+    with torch.no_grad():
+        fn()  # compiled and warm before capture
+        torch.cuda.synchronize(device)
+        g_fn, g_flush = graph(True), graph(False)
+        replay_ms(g_fn)
+        return (replay_ms(g_fn) - replay_ms(g_flush)) / n
