@@ -71,8 +71,8 @@ def main(argv=None) -> int:
         us = graph_us(lambda: flashforge.attention_with_kvcache(q, k, v, cache_seqlens=lens))
         rows.append(dict(kind="table", B=B, L=L, us=us, gbps=gbps(B, L, us)))
         data[(B, L)] = (q, k, v, lens, ref)
-        print(f"B={B} L={L}: read {rows[-3]['gbps']:.0f} cuDNN {rows[-2]['gbps']:.0f} table {rows[-1]['gbps']:.0f} GB/s",
-              flush=True)
+        read, cudnn, table = (r["gbps"] for r in rows[-3:])
+        print(f"B={B} L={L}: read {read:.0f} cuDNN {cudnn:.0f} table {table:.0f} GB/s", flush=True)
     try:
         for cand in CANDIDATES:
             for tma in (True, False):
@@ -103,7 +103,8 @@ def main(argv=None) -> int:
         json.dump(rows, f)
     print("\nbest per shape (GB/s; cfg = block_m, block_n, warps, stages, tma; splits None = auto)")
     for B, L in SHAPES:
-        ref = {r["kind"]: r["gbps"] for r in rows if r["B"] == B and r["L"] == L and r["kind"] in ("read", "cudnn", "table")}
+        ref = {r["kind"]: r["gbps"] for r in rows
+               if r["B"] == B and r["L"] == L and r["kind"] in ("read", "cudnn", "table")}
         good = sorted((r for r in rows if r["kind"] == "candidate" and r["B"] == B and r["L"] == L and r["err"] < 2e-2),
                       key=lambda r: -r["gbps"])[:3]
         print(f"B={B} L={L}: read {ref['read']:.0f} cuDNN {ref['cudnn']:.0f} table {ref['table']:.0f} | "

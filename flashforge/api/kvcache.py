@@ -163,7 +163,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         params = AttnParams(scale=scale, window_left=left, window_right=right, offset_tensor=q_pos,
                             offset_bottom_right=q_pos is None,
                             softcap=softcap, alibi_slopes=_normalise_slopes(alibi_slopes, q, B, Hq),
-                            seqlens_k=cache_seqlens, seqlens_k_add=s_new, block_table=block_table, num_splits=num_splits,
+                            seqlens_k=cache_seqlens, seqlens_k_add=s_new, block_table=block_table,
+                            num_splits=num_splits,
                             q_rope=rope_params)  # q is rotated inside the attention kernel
         qc = q if q.stride(-1) == 1 else q.contiguous()
         o, lse = attention_kvcache_function(qc, k_cache, v_cache, params, backend)

@@ -46,7 +46,8 @@ def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     params = AttnParams(scale=scale, window_left=window_left, window_right=window_right, offset_tensor=q_pos,
                         offset_bottom_right=q_pos is None,
                         softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, block_table=block_table,
-                        num_splits=num_splits, seqlens_k_add=seqlens_k_add, q_rope=_rope(rope_theta, rope_dim, rope_interleaved))
+                        num_splits=num_splits, seqlens_k_add=seqlens_k_add,
+                        q_rope=_rope(rope_theta, rope_dim, rope_interleaved))
     return backend_module("attention", backend).attention_forward(q, k_cache, v_cache, None, params)
 
 
