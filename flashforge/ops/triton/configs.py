@@ -142,8 +142,7 @@ _TABLES: dict[tuple[int, int], dict] = {(9, 0): _SM90}
 _TABLE = _SM90  # the measured table (tests and tools read it)
 _INTERPRETER = TileConfig(16, 16, 1, 1)
 KINDS = ("fwd", "fwd_causal", "fwd_decode", "fwd_gluon", "fwd_gluon_causal", "bwd_kv", "bwd_kv_dropout", "bwd_q",
-         "bwd_kv_gluon",
-         "bwd_q_gluon")
+         "bwd_kv_gluon", "bwd_q_gluon")
 _overrides: dict[tuple[str, int, int], TileConfig] = {}
 ENV_FILE = "FLASHFORGE_TILE_CONFIGS"
 
