@@ -33,7 +33,7 @@ SHAPES = ((8192, 2), (2048, 8))
 
 def readers(k: torch.Tensor, v: torch.Tensor) -> list[Callable[[], None]]:
     """One callable per SHAPES entry, each reading all of k and v once (contiguous tensors
-    of one dtype); the caller times each and keeps the fastest."""
+    of one dtype) and returning its per-program sums; the caller times each and keeps the fastest."""
     if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype):
         raise ValueError("read floor: k and v must be contiguous and of one dtype")
     out = []
@@ -43,5 +43,6 @@ def readers(k: torch.Tensor, v: torch.Tensor) -> list[Callable[[], None]]:
 
         def fn(pa=pa, pb=pb, sink=sink, block=block, iters=iters):
             _stream_read[(pa + pb,)](k, v, sink, k.numel(), v.numel(), pa, BLOCK=block, ITERS=iters, num_warps=8)
+            return sink
         out.append(fn)
     return out

@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from ..launch import next_power_of_2
 
 
-
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int
