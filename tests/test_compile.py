@@ -117,8 +117,9 @@ def test_ops_are_registered_with_fake_impls():
     # window_right, offset, offset_bottom_right, softcap, dropout_p, seed, deterministic, allow_tf32,
     # max_seqlen_q, max_seqlen_k, backend
     rest = (0.1, -1, 0, 0, False, 0.0, 0.0, 0, False, False, 0, 0, "torch")
-    o, lse = torch.ops.flashforge.attention_fwd(q, k, v, None, None, None, None, None, None, *rest)
-    assert o.shape == (2, 8, 4, 32) and lse.shape == (2, 4, 8) and lse.dtype == torch.float32
+    o, lse, lse_lo = torch.ops.flashforge.attention_fwd(q, k, v, None, None, None, None, None, None, *rest)
+    assert o.shape == (2, 8, 4, 32) and lse.shape == lse_lo.shape == (2, 4, 8)
+    assert lse.dtype == lse_lo.dtype == torch.float32
     torch.library.opcheck(torch.ops.flashforge.attention_fwd,
                           (torch.randn(1, 3, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), None, None,
                            None, None, None, None, *rest))

@@ -243,22 +243,28 @@ def _sequences(params: AttnParams) -> Iterator[tuple[int, slice, slice, AttnPara
         yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), one
 
 
-def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tuple[Tensor, Tensor]:
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams,
+                    lse_lo: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     o = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((1, q.shape[2], q.shape[1]), _NEG_INF, dtype=_acc_dtype(q.dtype), device=q.device)
+    if lse_lo is not None:
+        lse_lo.zero_()  # rows of no sequence (past the last cu_seqlens_q entry) included
     for _, rq, rk, one in _sequences(params):
         if rq.stop > rq.start and rk.stop > rk.start:
-            o[:, rq], lse[:, :, rq] = attention_forward(q[:, rq], k[:, rk], v[:, rk], None, one)
+            lo = None if lse_lo is None else torch.empty_like(lse[:, :, rq])
+            o[:, rq], lse[:, :, rq] = attention_forward(q[:, rq], k[:, rk], v[:, rk], None, one, lse_lo=lo)
+            if lo is not None:
+                lse_lo[:, :, rq] = lo
     return o, lse
 
 
-def _varlen_backward(do, dlse, q, k, v, o, lse, params: AttnParams) -> tuple[Tensor, Tensor, Tensor]:
+def _varlen_backward(do, dlse, q, k, v, o, lse, lse_lo, params: AttnParams) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for _, rq, rk, one in _sequences(params):
         if rq.stop > rq.start and rk.stop > rk.start:
             dq[:, rq], dk[:, rk], dv[:, rk], _ = attention_backward(
                 do[:, rq], None if dlse is None else dlse[:, :, rq], q[:, rq], k[:, rk], v[:, rk], None,
-                o[:, rq], lse[:, :, rq], one, False)
+                o[:, rq], lse[:, :, rq], one, False, lse_lo=None if lse_lo is None else lse_lo[:, :, rq])
     return dq, dk, dv
 
 
@@ -277,7 +283,7 @@ def _kvcache_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tup
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
-                      params: AttnParams) -> tuple[Tensor, Tensor]:
+                      params: AttnParams, lse_lo: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention on validated BSHD tensors.
 
     Args:
@@ -285,6 +291,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
             ``Hq % Hkv == 0``, ``Sq, Sk >= 1``.
         mask: None, or ``[Bm, Hm, Sqm, Skm]`` with each dim 1 or full; bool (True = keep) or float (additive).
         params: the normalised call (`AttnParams`).
+        lse_lo: None, or a tensor shaped and typed like lse that receives the part of the
+            log-sum-exp lse cannot hold, for the backward (`flashforge.ops.params`).
 
     Returns:
         ``o [B, Sq, Hq, Dv]`` in q's dtype and ``lse [B, Hq, Sq]`` (float32; float64 for float64
@@ -295,7 +303,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
         q = rope(q, params.offset_tensor, None, replace(params.q_rope, pos_base=params.offset))
         params = replace(params, q_rope=None)
     if params.is_varlen:
-        return _varlen_forward(q, k, v, params)
+        return _varlen_forward(q, k, v, params, lse_lo)
     if params.seqlens_k is not None:
         return _kvcache_forward(q, k, v, params)
     t = _Tiles(q, k, v, mask, params)
@@ -303,6 +311,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     BH, Dv = B * t.Hkv, v.shape[-1]
     o = torch.zeros(BH, Sq * G, Dv, dtype=t.acc, device=q.device)
     lse = torch.empty(BH, Sq * G, dtype=t.acc, device=q.device)
+    lo = None if lse_lo is None else torch.empty(BH, Sq * G, dtype=t.acc, device=q.device)
     for r0, r1 in t.row_blocks():
         rows = slice(r0 * G, r1 * G)
         acc = o[:, rows]  # [BH, n*G, Dv], accumulated in place
@@ -325,20 +334,30 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
         if params.has_dropout:
             norm.mul_(1.0 - params.dropout_p)
         acc.div_(norm.unsqueeze(-1))
-        lse[:, rows] = (m + l.log2()) * _LN2
+        lse_b = lse[:, rows]
+        torch.mul(m + l.log2(), _LN2, out=lse_b)
+        if lo is not None:
+            # what the backward's lse * LOG2E (the same float op) misses of m + log2(l); float64,
+            # so that neither term is rounded at a large m
+            hi = lse_b * _LOG2E
+            lo[:, rows] = ((m.double() - hi.double()) + l.double().log2()).masked_fill_(l == 0, 0.0)
     out = _ungroup_rows(o, torch.empty(B, Sq, Hq, Dv, dtype=q.dtype, device=q.device))
     lse_dtype = torch.float64 if t.acc == torch.float64 else torch.float32
+    if lse_lo is not None:
+        lse_lo.copy_(_ungroup_stats(lo, B, Hq, lse_lo.dtype))
     return out, _ungroup_stats(lse, B, Hq, lse_dtype)
 
 
 def attention_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                        mask: Optional[Tensor], o: Tensor, lse: Tensor, params: AttnParams,
-                       need_dmask: bool) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+                       need_dmask: bool, lse_lo: Optional[Tensor] = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Gradients of `attention_forward` (FA2 style: P recomputed from ``lse``, never stored).
 
     Args:
         do: ``[B, Sq, Hq, Dv]``, the gradient of o; dlse: None or ``[B, Hq, Sq]``, the gradient of lse.
-        q, k, v, mask, params: as given to `attention_forward`; o, lse: what it returned.
+        q, k, v, mask, params: as given to `attention_forward`; o, lse: what it returned, and
+            lse_lo what it wrote there (None: taken as 0).
         need_dmask: also return the mask's gradient.
 
     Returns:
@@ -347,7 +366,7 @@ def attention_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
         shaped like the mask, float32 (float64 for float64 inputs).
     """
     if params.is_varlen:
-        return (*_varlen_backward(do, dlse, q, k, v, o, lse, params), None)
+        return (*_varlen_backward(do, dlse, q, k, v, o, lse, lse_lo, params), None)
     t = _Tiles(q, k, v, mask, params)
     G = t.G
     do_g = _group_rows(do, t.Hkv, t.acc)  # [BH, Sq*G, Dv]
@@ -358,6 +377,7 @@ def attention_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
     # Fully masked rows have every score -inf, so any finite lse gives P = 0 there.
     lse_g = _group_stats(lse, t.Hkv, t.acc)
     lse_g = lse_g.masked_fill(lse_g == _NEG_INF, 0.0).mul_(_LOG2E)  # [BH, Sq*G], log2 units like the scores
+    lo_g = None if lse_lo is None else _group_stats(lse_lo, t.Hkv, t.acc)
     dq = torch.zeros_like(t.q)  # [BH, Sq*G, D]
     dk = torch.zeros_like(t.k)  # [BH, Sk, D]
     dv = torch.zeros_like(t.v)  # [BH, Sk, Dv]
@@ -368,9 +388,13 @@ def attention_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
         rows = slice(r0 * G, r1 * G)
         q_b, do_b, dq_b = t.q[:, rows], do_g[:, rows], dq[:, rows]  # [BH, n*G, D | Dv | D]
         lse_b, delta_b = lse_g[:, rows, None], delta[:, rows, None]  # [BH, n*G, 1]
+        lo_b = None if lo_g is None else lo_g[:, rows, None]
         for c0, c1 in t.key_chunks(r0, r1):
             s, dcap = t.scores(r0, r1, c0, c1, softcap_grad=True)
-            p = s.sub_(lse_b).exp2_()  # [BH, n*G, c]
+            s.sub_(lse_b)  # exact near the row's maximum, where P is not negligible
+            if lo_b is not None:
+                s.sub_(lo_b)
+            p = s.exp2_()  # [BH, n*G, c]
             dp = torch.bmm(do_b, t.v[:, c0:c1].transpose(1, 2))  # [BH, n*G, c]
             if params.has_dropout:
                 keep = t.keep(r0, r1, c0, c1)

@@ -12,6 +12,21 @@ Causal attention is simply ``right = 0``; the seed's integer window ``w`` is
 per-batch int32 tensor ``[B]`` on the inputs' device (``offset_tensor``).
 ALiBi adds ``-alibi_slopes[b, h] * |i + offset - j|`` to the score (after softcap,
 like a mask).
+
+Log-sum-exp for the backward.  Every backend's ``attention_forward(q, k, v, mask, params,
+lse_lo=None)`` returns ``(o, lse)``, lse in float32 natural log, and, when given a float32
+tensor ``lse_lo`` shaped like lse, writes into every element of it the part of the
+log-sum-exp that lse cannot hold, in log2 units::
+
+    lse_lo = (m + log2(l)) - fl32(lse * LOG2E)
+
+with ``m`` the row's largest score and ``l`` its sum of ``exp2(score - m)`` (scores in log2
+units); 0 on rows that see no key.  ``attention_backward(..., lse_lo=None)`` recomputes
+``P = exp2((s - fl32(lse * LOG2E)) - lse_lo)``.  Where scores reach 1e6-1e8 (a diverging
+run), one ulp of a float32 lse is 0.06-8 and P from lse alone is off by up to a factor of
+e**8 per row; with lse_lo each row of P sums to 1 to float32 rounding.  The first
+subtraction is exact near the row's maximum (the two terms are close), the second one
+adds a small number to a small number.  ``lse_lo=None`` in the backward means 0.
 """
 from __future__ import annotations
 

@@ -135,7 +135,9 @@ def _batch_and_lengths(q, k, params: AttnParams):
     return q.shape[0], q.shape[1], k.shape[1]
 
 
-def attention_forward(q, k, v, mask, params: AttnParams):
+def attention_forward(q, k, v, mask, params: AttnParams, lse_lo=None):
+    if lse_lo is not None:  # TODO(lse_lo): written by the kernels in the next commit
+        lse_lo.zero_()
     if params.seqlens_k is not None and mask is None and q.device.type == "cuda" and replay.usable():
         # a KV-cache call (decoding: host-bound, repeated with one shape): replayed from a plan
         # (ops/replay.py) keyed by everything this launcher reads but the tensors' addresses
@@ -234,7 +236,7 @@ def _gluon_backward(q, k, v, do, lse, mask, params: AttnParams, cfg_kv, cfg_q, a
             g_q if g_q is not None and gluon_attention.bwd_tiles_fit("bwd_q", g_q) else None)
 
 
-def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dmask: bool):
+def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dmask: bool, lse_lo=None):
     _, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     B, max_sq, max_sk = _batch_and_lengths(q, k, params)
