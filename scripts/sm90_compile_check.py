@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 
@@ -113,11 +116,27 @@ def compile_all(log):
             ptx = kernel.asm["ptx"]
             mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "fma"
             print(f"ok   {fn.__name__:28s} {time.perf_counter() - t0:5.1f}s {mma:5s} "
-                  f"smem={kernel.metadata.shared:6d} {_flags(consts)}", flush=True)
+                  f"smem={kernel.metadata.shared:6d} {_resources(kernel.asm['cubin'])} {_flags(consts)}", flush=True)
         except Exception as e:  # report every failure, then exit non-zero
             failures.append((fn.__name__, consts, e))
             print(f"FAIL {fn.__name__}: {type(e).__name__}: {str(e)[:2000]}\n      {_flags(consts)}", flush=True)
     return failures
+
+
+def _resources(cubin: bytes) -> str:
+    """Registers per thread and local-memory bytes (spills) of the compiled kernel, from the
+    cuobjdump Triton ships; a kernel that spills runs far below its tile's speed."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                 check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return "regs=?"
+    regs, local = re.search(r"REG:(\d+)", out), re.search(r"LOCAL:(\d+)", out)
+    return f"regs={regs.group(1) if regs else '?'} local={local.group(1) if local else '?'}"
 
 
 def _flags(consts):
@@ -151,9 +170,12 @@ def record(quick: bool):
         k = torch.randn(B, Sk, Hkv, D, dtype=dtype)
         v = torch.randn(B, Sk, Hkv, D, dtype=dtype)
         p = AttnParams(scale=0.1, **kw)
-        o, lse = launchers.attention_forward(q, k, v, mask, p)
+        # lse_lo: as a training step calls them (the forward writes it, the backward reads it)
+        lse_lo = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32)
+        o, lse = launchers.attention_forward(q, k, v, mask, p, lse_lo=lse_lo)
         if bwd:
-            launchers.attention_backward(o, None, q, k, v, mask, o, lse, p, mask is not None and mask.is_floating_point())
+            launchers.attention_backward(o, None, q, k, v, mask, o, lse, p, mask is not None and mask.is_floating_point(),
+                                         lse_lo=lse_lo)
 
     run()
     run(window_right=0)

@@ -596,5 +596,3 @@ def test_flash_attn_varlen_packed_variants_match_unpacked():
     b = flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, 11, 11, causal=True)
     c = flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, 11, 11, causal=True)
     assert torch.equal(a, b) and torch.equal(a, c)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, 11, 11, block_table=cu)

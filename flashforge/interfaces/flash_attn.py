@@ -42,6 +42,7 @@ rotary tables are applied in PyTorch before the call (not fused yet), and
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -49,7 +50,7 @@ import torch
 from ..api.attention import attention
 from ..api.kvcache import attention_with_kvcache
 from ..api.varlen import attention_varlen
-from ..api.validate import check_float, check_int, check_tensor
+from ..api.validate import check_float, check_tensor
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
@@ -61,11 +62,31 @@ def _check_rank(name: str, x, rank: int, layout: str) -> None:
         raise ValueError(f"{name} has shape {tuple(x.shape)}; accepted: {layout}")
 
 
-def _window(window_size, causal: bool) -> Optional[tuple]:
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+class FlashAttnInputError(ValueError, RuntimeError):
+    """An input flash-attn rejects as well: a ``ValueError`` like every flashforge input error,
+    and a ``RuntimeError`` like flash-attn's (its C++ checks raise RuntimeError)."""
+
+
+def _window_sides(window_size) -> tuple[int, int]:
+    """flash-attn's ``window_size``: any pair whose items are integers (ints, numpy or 0-d torch
+    integers: its tests pass ``torch.randint(0, n, (2,))``), a negative side meaning unbounded."""
+    try:
+        pair = tuple(window_size)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2:
         raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
-    # flash-attn treats any negative side as unbounded
-    left, right = (max(check_int(f"window_size[{i}]", w), -1) for i, w in enumerate(window_size))
+    sides = []
+    for i, w in enumerate(pair):
+        try:
+            sides.append(max(operator.index(w), -1))
+        except TypeError:
+            raise TypeError(f"window_size[{i}] must be an int, got {type(w).__name__} ({w!r})") from None
+    return sides[0], sides[1]
+
+
+def _window(window_size, causal: bool) -> Optional[tuple]:
+    left, right = _window_sides(window_size)
     if causal:
         right = 0
     return None if (left, right) == (-1, -1) else (left, right)
@@ -174,14 +195,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` cumulative lengths.
         max_seqlen_q, max_seqlen_k: ints, the longest sequences.
         Other arguments as `flash_attn_func`; causal and windows are bottom-right aligned
-        within each sequence.  ``block_table`` (a paged cache) is not supported here.
+        within each sequence.
+        block_table: int32 ``[B, max_blocks]``: k and v are then paged caches
+            ``[num_blocks, page, Hkv, D]`` and key j of sequence b is row ``j % page`` of block
+            ``block_table[b, j // page]`` (its keys are gathered first: a copy, and a host sync).
 
     Returns:
         ``out [total_q, Hq, Dv]``, or ``(out, softmax_lse [Hq, total_q] float32, None)``.
     """
     if block_table is not None:
-        raise NotImplementedError("flash_attn_varlen_func: block_table (paged K/V) is not supported by "
-                                  "flashforge's varlen path yet; pass contiguous packed k, v")
+        k, v = _gather_pages(k, v, block_table, cu_seqlens_k)
     return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                               softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                               return_attn_probs)
@@ -214,6 +237,33 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                               return_attn_probs)
 
 
+def _gather_pages(k_cache, v_cache, block_table, cu_seqlens_k):
+    """Packed ``k, v [total_k, Hkv, D]`` of a paged cache, sequence b's keys from its row of the
+    block table (differentiable: the gradients reach the pages)."""
+    check_tensor("block_table", block_table)
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        _check_rank(name, t, 4, "[num_blocks, page_block_size, nheads_k, headdim] with block_table")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 \
+            or block_table.shape[0] != cu_seqlens_k.shape[0] - 1:
+        raise FlashAttnInputError(f"block_table must be an int32 tensor [batch, max_num_blocks_per_seq] with "
+                                  f"batch = {cu_seqlens_k.shape[0] - 1}; got {block_table.dtype} "
+                                  f"{tuple(block_table.shape)}")
+    num_blocks, page = k_cache.shape[:2]
+    cu = cu_seqlens_k.long()
+    lens = cu[1:] - cu[:-1]
+    total = int(cu[-1])  # host sync: the packed size
+    longest = int(lens.max()) if lens.numel() else 0
+    if longest > block_table.shape[1] * page:
+        raise FlashAttnInputError(f"a sequence of {longest} keys exceeds the capacity addressable by block_table "
+                                  f"({block_table.shape[1]} blocks x {page} = {block_table.shape[1] * page})")
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens, output_size=total)
+    j = torch.arange(total, device=cu.device) - cu[seq]
+    blocks = block_table.long()[seq, j // page]
+    if total and not 0 <= int(blocks.min()) <= int(blocks.max()) < num_blocks:
+        raise FlashAttnInputError(f"block_table has entries outside [0, {num_blocks}) for the keys in use")
+    return k_cache[blocks, j % page], v_cache[blocks, j % page]
+
+
 def _rotate_with_tables(x, cos, sin, pos, interleaved: bool):
     """flash-attn's rotary with precomputed tables: x ``[B, S, H, D]`` at positions ``pos [B, S]``,
     ``cos``/``sin`` ``[seqlen_ro, rotary_dim / 2]``; the first rotary_dim dims rotate."""
@@ -230,6 +280,58 @@ def _rotate_with_tables(x, cos, sin, pos, interleaved: bool):
     return torch.cat([out.to(x.dtype), xp], dim=-1)
 
 
+def _kvcache_window(window_size, causal: bool, Sq: int, capacity: int, has_alibi: bool):
+    """(window for flashforge, whether flash-attn counts the call causal or local): its
+    mha_fwd_kvcache drops causal for one query without ALiBi and takes a side at or past the
+    cache's capacity as unbounded; the second part decides where it rotates the queries."""
+    left, right = _window_sides(window_size)
+    if causal and not (Sq == 1 and not has_alibi):
+        right = 0
+    left = -1 if left >= capacity else left
+    right = -1 if right >= capacity else right
+    return (None if (left, right) == (-1, -1) else (left, right)), (left >= 0 or right >= 0)
+
+
+def _check_cache_rows(cache_seqlens, s_new: int, capacity: int, block_table) -> None:
+    """flash-attn checks a paged cache's lengths on the host (a sync) and raises; so does this."""
+    if block_table is None:
+        return
+    longest = int(cache_seqlens.max()) + s_new if cache_seqlens.numel() else 0
+    if longest > capacity:
+        raise FlashAttnInputError(f"paged KV cache: max(cache_seqlens){' + seqlen_knew' if s_new else ''} "
+                                  f"(= {longest}) exceeds the capacity addressable by block_table "
+                                  f"(max_num_blocks_per_seq * page_block_size = {capacity})")
+
+
+def _attention_leftpad(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, causal, window, softcap,
+                       softmax_scale, alibi_slopes, return_lse):
+    """flash-attn's ``cache_leftpad``: row b's keys are [leftpad_b, cache_seqlens_b + S_new); the
+    positions (causal alignment, ALiBi, rotary) stay those of the whole row.  Appends, then runs
+    the dense kernel over the cache with a key mask ``[B, 1, 1, S_cache]`` (no split-KV)."""
+    from ..autograd.kvcache import kvcache_append_function  # the append alone, as attention_with_kvcache does
+
+    B, Sq = q.shape[:2]
+    check_tensor("cache_leftpad", cache_leftpad)
+    if cache_leftpad.dtype != torch.int32 or cache_leftpad.shape != (B,) or cache_leftpad.device != q.device:
+        raise FlashAttnInputError(f"cache_leftpad must be an int32 tensor [batch] = [{B}] on {q.device}; got "
+                                  f"{cache_leftpad.dtype} {tuple(cache_leftpad.shape)} on {cache_leftpad.device}")
+    s_new = 0 if k is None else k.shape[1]
+    kc, vc = k_cache[:B], v_cache[:B]
+    if k is not None:
+        if k.shape != (B, s_new, *k_cache.shape[2:]) or v.shape != (B, s_new, *v_cache.shape[2:]):
+            raise FlashAttnInputError(f"new k {tuple(k.shape)} / v {tuple(v.shape)} must be [batch, seqlen_new, "
+                                      f"nheads_k, headdim] matching q's batch {B} and the caches")
+        if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+            raise FlashAttnInputError(f"new k, v ({k.dtype}, {v.dtype}) must have the caches' dtype {k_cache.dtype}")
+        kvcache_append_function(k_cache, v_cache, k, v, cache_seqlens, None, None,
+                                "triton" if q.device.type == "cuda" else "torch")
+    ends = cache_seqlens.long() + s_new
+    j = torch.arange(kc.shape[1], device=q.device)
+    keep = (j >= cache_leftpad.long()[:, None]) & (j < ends[:, None])  # [B, S_cache]
+    return attention(q, kc, vc, causal=causal, causal_offset=ends - Sq, window=window, mask=keep[:, None, None],
+                     scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse)
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -238,33 +340,47 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     q ``[B, Sq, Hq, D]``; caches ``[B, S_cache, Hkv, D]`` or paged ``[num_blocks, block_size, Hkv, D]``
     with ``block_table``; new ``k``, ``v`` are appended in place at ``cache_seqlens``
-    (None: the caches are full).  ``rotary_cos``/``rotary_sin`` (``[seqlen_ro, rotary_dim / 2]``)
-    rotate q and the new k at their absolute positions (``rotary_interleaved``: GPT-J pairs).
-    Queries are aligned to the end of the keys, as flash-attn.  ``num_splits=0`` picks
-    split-KV automatically.  ``cache_batch_idx`` and ``cache_leftpad`` are not supported.
+    (None: the caches are full).  Queries are aligned to the end of the keys, as flash-attn.
+    ``rotary_cos``/``rotary_sin`` (``[seqlen_ro, rotary_dim / 2]``, ``rotary_interleaved``: GPT-J
+    pairs) rotate, when new keys are appended, key i at ``cache_seqlens + i`` and query i at
+    ``cache_seqlens + i`` if the call is causal or local, else every query at ``cache_seqlens``
+    (flash-attn's rule, what its kernel does: without new keys it rotates nothing).  A paged
+    cache's lengths are checked on the host, as flash-attn does (a sync).  ``cache_leftpad``
+    [B]: row b's keys start at ``cache_leftpad[b]`` (contiguous caches; the dense kernel with a
+    key mask).  ``num_splits=0`` picks split-KV automatically.  ``cache_batch_idx`` is not
+    supported.
 
     Returns ``out [B, Sq, Hq, D]``, or ``(out, softmax_lse [B, Hq, Sq])``.
     """
-    if cache_batch_idx is not None or cache_leftpad is not None:
-        raise NotImplementedError("flash_attn_with_kvcache: cache_batch_idx and cache_leftpad are not supported "
-                                  "by flashforge; index the caches yourself")
+    if cache_batch_idx is not None:
+        raise NotImplementedError("flash_attn_with_kvcache: cache_batch_idx is not supported by flashforge; "
+                                  "index the caches yourself")
+    if cache_leftpad is not None and block_table is not None:
+        raise FlashAttnInputError("flash_attn_with_kvcache: cache_leftpad with a paged cache (block_table) is not "
+                                  "supported, as in flash-attn")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
-    window = _window(window_size, causal)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_rank(name, t, 4, "[batch, seqlen, nheads, headdim]")
     softcap = max(check_float("softcap", softcap), 0.0)
     B, Sq = q.shape[0], q.shape[1]
+    s_new = 0 if k is None else k.shape[1]
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    window, local = _kvcache_window(window_size, causal, Sq, capacity, alibi_slopes is not None)
     if cache_seqlens is None:  # full caches
-        cache_seqlens = (block_table.shape[1] * k_cache.shape[1]) if block_table is not None else k_cache.shape[1]
-        cache_seqlens -= 0 if k is None else k.shape[1]
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
-    if rotary_cos is not None:
-        s_new = 0 if k is None else k.shape[1]
+        cache_seqlens = capacity - s_new
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((B,), operator.index(cache_seqlens), dtype=torch.int32, device=q.device)
+    _check_cache_rows(cache_seqlens, s_new, capacity, block_table)
+    if rotary_cos is not None and k is not None:
         ar = lambda n: torch.arange(n, device=q.device).view(1, n)  # noqa: E731
         start = cache_seqlens.long().view(B, 1)
-        q = _rotate_with_tables(q, rotary_cos, rotary_sin, start + s_new - Sq + ar(Sq), rotary_interleaved)
-        if k is not None:
-            k = _rotate_with_tables(k, rotary_cos, rotary_sin, start + ar(s_new), rotary_interleaved)
+        q = _rotate_with_tables(q, rotary_cos, rotary_sin, start + ar(Sq) if local else start.expand(B, Sq),
+                                rotary_interleaved)
+        k = _rotate_with_tables(k, rotary_cos, rotary_sin, start + ar(s_new), rotary_interleaved)
+    if cache_leftpad is not None:
+        return _attention_leftpad(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, causal, window, softcap,
+                                  softmax_scale, alibi_slopes, bool(return_softmax_lse))
     return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
                                   causal=causal, window=window, softcap=softcap, scale=softmax_scale,
                                   alibi_slopes=alibi_slopes, return_lse=bool(return_softmax_lse),

@@ -10,8 +10,8 @@ Gluon or portable independently.
 from __future__ import annotations
 
 import functools
-import math
 import os
+import struct
 
 import torch
 
@@ -79,44 +79,59 @@ def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> b
 
 def _sequences(q, k, params: AttnParams, order, lse):
     """The kernels' batch arguments: (B, descriptor builder, lse strides (batch, head), CU_Q, CU_K,
-    ORDER, Sq, Sk, offset, bottom_right).  Dense: Sq, Sk are the lengths and a bottom-right
-    alignment is folded into the offset.  Packed ([1, total, H, D], lse [1, Hq, total]): the
-    longest lengths (the grid's extent; each program reads its sequence's own), the
-    sequences in `order`, and ragged descriptors."""
+    ORDER, Sq, Sk, total_q, total_k, offset, bottom_right).  Dense: Sq, Sk are the lengths and a
+    bottom-right alignment is folded into the offset.  Packed ([1, total, H, D], lse [1, Hq, total]):
+    the longest lengths (the grid's extent; each program reads its sequence's own), the rows of the
+    packed tensors (each sequence's bounds are clamped to them), the sequences in `order`, and
+    ragged descriptors."""
     if params.is_varlen:
         return (params.cu_seqlens_q.shape[0] - 1, _ragged_descriptor, 0, lse.stride(1), params.cu_seqlens_q,
-                params.cu_seqlens_k, order, params.max_seqlen_q, params.max_seqlen_k, params.offset,
-                int(params.offset_bottom_right))
+                params.cu_seqlens_k, order, params.max_seqlen_q, params.max_seqlen_k, q.shape[1], k.shape[1],
+                params.offset, int(params.offset_bottom_right))
     Sq, Sk = q.shape[1], k.shape[1]
     offset = params.offset + (Sk - Sq if params.offset_bottom_right else 0)
-    return q.shape[0], _descriptor, lse.stride(0), lse.stride(1), lse, lse, lse, Sq, Sk, offset, 0
+    return q.shape[0], _descriptor, lse.stride(0), lse.stride(1), lse, lse, lse, Sq, Sk, Sq, Sk, offset, 0
 
 
-def attention_forward(q, k, v, params: AttnParams, cfg, order=None):
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _qk_scale(scale: float) -> float:
+    """scale * log2(e) rounded as the portable kernels compute it (float32 operands, one float32
+    rounding), so both families scale a score into the same float32 (`rounding.py`)."""
+    return _f32(_f32(scale) * _f32(1.4426950408889634))
+
+
+def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None):
     """o [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32) for a call `in_scope` accepts (packed:
-    [1, total, Hq, D] and [1, Hq, total]; `order`, the sequences longest first)."""
+    [1, total, Hq, D] and [1, Hq, total]; `order`, the sequences longest first); with `lse_lo`
+    (contiguous, lse's shape) also lse's low part (`flashforge.ops.params`)."""
     kernel = _kernel()[0]
     _, total, Hq, D = q.shape
     Hkv = k.shape[2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[0], Hq, total, dtype=torch.float32, device=q.device)
-    B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, offset, br = _sequences(q, k, params, order, lse)
+    B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, tot_q, tot_k, offset, br = _sequences(q, k, params, order, lse)
     causal = params.window_right == 0
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
     launch(kernel, grid, desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m),
-           lse, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, Hq // Hkv, offset, br,
-           params.scale * math.log2(math.e),
+           lse, lse if lse_lo is None else lse_lo, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
+           Hq // Hkv, offset, br, _qk_scale(params.scale),
            CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages),
            V_STAGES=cfg.v_stages or max(2, cfg.num_stages), Q_IN_REGS=_Q_IN_REGS, VARLEN=params.is_varlen,
-           num_warps=cfg.num_warps)
+           STORE_LO=lse_lo is not None, num_warps=cfg.num_warps)
     return o, lse
 
 
-def bwd_call_in_scope(q, k, v, do, lse, mask, params: AttnParams, arch: tuple[int, int]) -> bool:
+def bwd_call_in_scope(q, k, v, do, lse, mask, params: AttnParams, arch: tuple[int, int], lse_lo=None) -> bool:
     """Whether the Gluon backward kernels may compute this call (each then also needs
     `bwd_tiles_fit`): the forward's scope, dO in q's dtype and readable by the copy engine, a
-    contiguous lse."""
+    contiguous lse (and lse_lo)."""
     if not _scores_in_scope(q, k, v, mask, params, arch) or not lse.is_contiguous() or do.dtype != q.dtype:
+        return False
+    if lse_lo is not None and not lse_lo.is_contiguous():
         return False
     return _bwd_kernels() is not None and _kernel() is not None and all(tma_ready(t) for t in (q, k, v, do))
 
@@ -182,7 +197,7 @@ def input_descriptors(q, k, v, do, params: AttnParams, cfg):
     return desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(do, cfg.block_m)
 
 
-def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None):
+def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None, lse_lo=None):
     """dK, dV [B, Sk, Hkv, D] for a call in the Gluon backward's scope (`bwd_call_in_scope`,
     `bwd_tiles_fit`); delta from the preprocess kernel or the dQ kernel; `inputs`: `input_descriptors`
     with this cfg, or None to build them."""
@@ -190,34 +205,36 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, offset, br = _sequences(q, k, params, order, lse)
+    B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, tot_q, tot_k, offset, br = _sequences(q, k, params, order, lse)
     grid = (cdiv(Sk, cfg.block_n), B * Hkv)
     launch(dkdv, grid, *(inputs or input_descriptors(q, k, v, do, params, cfg)),
            desc(dk, cfg.block_n), desc(dv, cfg.block_n),
-           lse, delta, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, Hq // Hkv, offset, br,
-           params.scale * math.log2(math.e), params.scale,
+           lse, lse if lse_lo is None else lse_lo, delta, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
+           Hq // Hkv, offset, br, _qk_scale(params.scale), params.scale,
            CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
-           STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen, num_warps=cfg.num_warps)
+           STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen, HAS_LO=lse_lo is not None,
+           num_warps=cfg.num_warps)
     return dk, dv
 
 
 def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None, o=None,
-                     dlse=None):
+                     dlse=None, lse_lo=None):
     """dQ [B, Sq, Hq, D] for a call in the Gluon backward's scope (`inputs` as for dK/dV).  With
     `o` (unit last stride), the kernel also computes delta = rowsum(o * dO) - dlse into `delta`
     for the dK/dV kernel launched after it (no preprocess kernel); else it reads `delta`."""
     _, dq_kernel = _bwd_kernels()
     Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, offset, br = _sequences(q, k, params, order, lse)
+    B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, tot_q, tot_k, offset, br = _sequences(q, k, params, order, lse)
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
     here = o is not None
     o_strides = ((0 if params.is_varlen else o.stride(0)), o.stride(1), o.stride(2)) if here else (0, 0, 0)
     launch(dq_kernel, grid, *(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dq, cfg.block_m),
-           lse, delta, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, Hq // Hkv, offset, br,
-           params.scale * math.log2(math.e), params.scale, o if here else lse,
+           lse, lse if lse_lo is None else lse_lo, delta, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
+           Hq // Hkv, offset, br, _qk_scale(params.scale), params.scale, o if here else lse,
            dlse if dlse is not None else lse, *o_strides,
            CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
            STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
-           VARLEN=params.is_varlen, DELTA_HERE=here, HAS_DLSE=here and dlse is not None, num_warps=cfg.num_warps)
+           VARLEN=params.is_varlen, DELTA_HERE=here, HAS_DLSE=here and dlse is not None, HAS_LO=lse_lo is not None,
+           num_warps=cfg.num_warps)
     return dq

@@ -18,8 +18,8 @@ reason, ops/gluon/attention_fwd_sm90.py):
   walks the key tiles, K and V by TMA into separate rings (V's slot is free
   once dP is done, K's only after dQ += dS K).
 
-Both recompute P = exp2(S * scale * log2(e) - lse * log2(e)) from the forward's
-lse.  delta = rowsum(o * dO) - dlse: when both kernels serve a call, the dQ kernel (run
+Both recompute P = exp2(S * scale * log2(e) - lse * log2(e) - lse_lo) from the forward's
+lse and its low part (HAS_LO; `flashforge.ops.params`).  delta = rowsum(o * dO) - dlse: when both kernels serve a call, the dQ kernel (run
 first) computes it for its rows and stores it for the dK/dV kernel (DELTA_HERE: no
 preprocess kernel, one launch fewer a step); otherwise the portable preprocess kernel does.
 Rows past a sequence's end (dense, or packed through ragged descriptors: see
@@ -35,22 +35,27 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_tiles, load_rows, query_block,
                        sequence, slot, wait)
-
-LOG2E = gl.constexpr(1.4426950408889634)
+from .rounding import LOG2E, mul_rn
 
 
 @gluon.jit
-def _lse2(LSE, row0, o_m, Sq):
-    # lse in log2 units (+inf past Sq: P = 0 there; fully masked rows, -inf, shift by 0 so the
-    # masked scores give P = 0, not NaN)
+def _lse2(LSE, LSE_LO, row0, o_m, Sq, HAS_LO: gl.constexpr):
+    """(lse in log2 units, its low part): P = exp2((s2 - lse2) - lo).  +inf past Sq: P = 0
+    there; fully masked rows (-inf) shift by 0, so their masked scores give P = 0, not NaN."""
     lse = gl.load(LSE + row0 + o_m, mask=o_m < Sq, other=float("inf"))
-    return gl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    lse2 = gl.where(lse == float("-inf"), 0.0, mul_rn(lse, LOG2E))
+    if HAS_LO:
+        lo = gl.load(LSE_LO + row0 + o_m, mask=o_m < Sq, other=0.0)
+    else:
+        lo = lse2
+    return lse2, lo
 
 
 @gluon.jit
-def _row_stats(LSE, DELTA, row0, o_m, Sq):
+def _row_stats(LSE, LSE_LO, DELTA, row0, o_m, Sq, HAS_LO: gl.constexpr):
     # _lse2 and delta
-    return _lse2(LSE, row0, o_m, Sq), gl.load(DELTA + row0 + o_m, mask=o_m < Sq, other=0.0)
+    lse2, lo = _lse2(LSE, LSE_LO, row0, o_m, Sq, HAS_LO)
+    return lse2, lo, gl.load(DELTA + row0 + o_m, mask=o_m < Sq, other=0.0)
 
 
 @gluon.jit
@@ -67,19 +72,21 @@ def _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t, T, n_mt, mt_lo, b, hk, 
 
 
 @gluon.jit
-def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, DELTA,
-              col_s: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr):
+def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO, DELTA,
+              col_s: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr):
     """P^T and dS^T ([keys, queries], float32) of flattened tile t from S^T and dP^T; row_b is
     where the sequence's rows start in lse / delta, less head 0's (b * stride_lb + q_start)."""
     g = t // n_mt
     m0 = (mt_lo + t - g * n_mt) * BLOCK_M
     h = hk * group + g
     o_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
-    lse2, delta = _row_stats(LSE, DELTA, row_b + h.to(gl.int64) * stride_lh, o_m, Sq)
-    s2 = st * qk_scale
+    lse2, lo, delta = _row_stats(LSE, LSE_LO, DELTA, row_b + h.to(gl.int64) * stride_lh, o_m, Sq, HAS_LO)
+    x = gl.fma(st, qk_scale, -lse2[None, :])  # one rounding, as the forward's
     if MASKED:  # the causal diagonal: key n visible from query m iff n <= m + offset
-        s2 = gl.where(o_n[:, None] <= o_m[None, :] + offset, s2, float("-inf"))
-    pt = gl.exp2(s2 - lse2[None, :])
+        x = gl.where(o_n[:, None] <= o_m[None, :] + offset, x, float("-inf"))
+    if HAS_LO:
+        x = x - lo[None, :]
+    pt = gl.exp2(x)
     dst = pt * (dpt - delta[None, :])
     return pt, dst
 
@@ -98,23 +105,24 @@ def _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M: gl.conste
 
 @gluon.jit
 def _tile_grads(st, dpt, t, n_mt, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
-                DELTA, col_s: gl.constexpr, BLOCK_M: gl.constexpr):
+                LSE_LO, DELTA, col_s: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr):
     """P^T and dS^T of flattened tile t: with the causal mask on the first n_masked query tiles of each head."""
     if t % n_mt < n_masked:
         pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
-                            DELTA, col_s, True, BLOCK_M)
+                            LSE_LO, DELTA, col_s, True, BLOCK_M, HAS_LO)
     else:
         pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
-                            DELTA, col_s, False, BLOCK_M)
+                            LSE_LO, DELTA, col_s, False, BLOCK_M, HAS_LO)
     return pt, dst
 
 
 @gluon.jit
-def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, stride_lb, stride_lh,
-                              CU_Q, CU_K, ORDER, Hq, Sq, Sk, group, offset, bottom_right, qk_scale, scale,
+def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, stride_lb,
+                              stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset,
+                              bottom_right, qk_scale, scale,
                               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                               STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              HAS_LO: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)  # causal: the first key blocks see the most queries, so run first
     bh = gl.program_id(1)
@@ -122,7 +130,8 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     b = bh // Hkv
     hk = bh % Hkv
     n0 = pid * BLOCK_N
-    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, offset, bottom_right, VARLEN)
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
+                                                   bottom_right, VARLEN)
     row_b = b.to(gl.int64) * stride_lb + q_start  # lse / delta rows of this sequence (head 0)
 
     # S^T / dP^T: [keys, queries], one warp per 16 keys; dK / dV: [keys, D]
@@ -178,7 +187,7 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
         st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, 0, s_zero, BLOCK_M, D, STAGES)
         st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
         pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                              offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
+                              offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO)
         if PIPE:
             pt = gl.convert_layout(pt.to(dtype), op_layout)
             dst = gl.convert_layout(dst.to(dtype), op_layout)
@@ -189,7 +198,7 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                 # S^T_t and dP^T_t are done (the older groups); dV, dK of tile t-1 may still run
                 st, dpt = warpgroup_mma_wait(2, deps=(st, dpt))
                 pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq,
-                                              o_n, offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
+                                              o_n, offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO)
                 dv, dk, pt, dst = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst))
                 # tile t-1's slot is free
                 _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
@@ -214,7 +223,7 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                 _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
                           q_start, Sq, BLOCK_M, STAGES, VARLEN)
                 pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                                      offset, qk_scale, LSE, DELTA, col_s, BLOCK_M)
+                                      offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO)
                 dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES),
                                    dv, is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, t, BLOCK_M, D, STAGES),
@@ -233,30 +242,33 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
 
 
 @gluon.jit
-def _ds_tile(s, dp, n0, o_m, lse2, delta, Sk, offset, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
-             CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
+             CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LO: gl.constexpr):
     """dS ([queries, keys], float32) of one key tile."""
-    s2 = s * qk_scale
+    x = gl.fma(s, qk_scale, -lse2[:, None])  # one rounding, as the forward's
     if MASKED:  # keys past Sk (zero-filled: dS K would still mix their scores in) or the causal diagonal
         o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = o_n[None, :] < Sk
         if CAUSAL:
             keep = keep & (o_n[None, :] <= o_m[:, None] + offset)
-        s2 = gl.where(keep, s2, float("-inf"))
-    p = gl.exp2(s2 - lse2[:, None])
+        x = gl.where(keep, x, float("-inf"))
+    if HAS_LO:
+        x = x - lo[:, None]
+    p = gl.exp2(x)
     return p * (dp - delta[:, None])
 
 
 @gluon.jit
-def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, stride_lb, stride_lh, CU_Q, CU_K,
-                            ORDER, Hq, Sq, Sk, group, offset, bottom_right, qk_scale, scale, O, DLSE, stride_ob,
-                            stride_os, stride_oh, CAUSAL: gl.constexpr,
+def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_LO, DELTA, stride_lb, stride_lh, CU_Q,
+                            CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, qk_scale, scale,
+                            O, DLSE, stride_ob, stride_os, stride_oh, CAUSAL: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                             V_STAGES: gl.constexpr, VARLEN: gl.constexpr, DELTA_HERE: gl.constexpr,
-                            HAS_DLSE: gl.constexpr, num_warps: gl.constexpr):
+                            HAS_DLSE: gl.constexpr, HAS_LO: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
-    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, offset, bottom_right, VARLEN)
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
+                                                   bottom_right, VARLEN)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -290,7 +302,7 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
 
     o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     row = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start  # this head's lse / delta rows
-    lse2 = _lse2(LSE, row, o_m, Sq)
+    lse2, lo = _lse2(LSE, LSE_LO, row, o_m, Sq, HAS_LO)
     dq = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar, 0)
@@ -322,9 +334,9 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         load_rows(v_desc, v_ring, v_bars, V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
         if n_full > 0:
-            ds = _ds_tile(s, dp, 0, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, False, CAUSAL, BLOCK_N)
+            ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False, CAUSAL, BLOCK_N, HAS_LO)
         else:
-            ds = _ds_tile(s, dp, 0, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, True, CAUSAL, BLOCK_N)
+            ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True, CAUSAL, BLOCK_N, HAS_LO)
         ds = gl.convert_layout(ds.to(dtype), op_layout)
         for j in range(1, n_tiles):
             wait(k_bars, j, STAGES)
@@ -338,11 +350,11 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA
             s, dp = warpgroup_mma_wait(1, deps=(s, dp))
             load_rows(v_desc, v_ring, v_bars, j + V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
             if j < n_full:
-                ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, False,
-                                  CAUSAL, BLOCK_N)
+                ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False,
+                                  CAUSAL, BLOCK_N, HAS_LO)
             else:
-                ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, delta, Sk, offset, qk_scale, s_layout, True,
-                                  CAUSAL, BLOCK_N)
+                ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True,
+                                  CAUSAL, BLOCK_N, HAS_LO)
             dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
             load_rows(k_desc, k_ring, k_bars, j - 1 + STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
             ds = gl.convert_layout(ds_new.to(dtype), op_layout)

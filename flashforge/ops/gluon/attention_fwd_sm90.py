@@ -32,8 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_tiles, load_rows, query_block,
                        sequence, slot, wait)
-
-LN2 = gl.constexpr(0.6931471805599453)
+from .rounding import LN2, LOG2E, mul_rn
 
 
 @gluon.jit
@@ -52,21 +51,25 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, qk_scale, s_layout: gl.const
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         m_shift = m_new
-    p = gl.exp2(s * qk_scale - m_shift[:, None])
+    p = gl.exp2(gl.fma(s, qk_scale, -m_shift[:, None]))  # one rounding, as the backward's
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
 
 
 @gluon.jit
-def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk,
-                         group, offset, bottom_right, qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-                         Q_IN_REGS: gl.constexpr, VARLEN: gl.constexpr, num_warps: gl.constexpr):
+def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb, stride_lh, CU_Q, CU_K, ORDER, Hq,
+                         Sq, Sk, total_q, total_k, group, offset, bottom_right, qk_scale, CAUSAL: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                         V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr, VARLEN: gl.constexpr,
+                         STORE_LO: gl.constexpr, num_warps: gl.constexpr):
+    # STORE_LO: also write LSE_LO (lse's strides), what the backward's lse * LOG2E misses of
+    # m + log2(l) (`flashforge.ops.params`)
     dtype: gl.constexpr = q_desc.dtype
     b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
     # packed: this sequence's rows and lengths (Sq, Sk, offset become its own)
-    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, offset, bottom_right, VARLEN)
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
+                                                   bottom_right, VARLEN)
 
     # one warp per 16 rows (a warpgroup per 64); the MMA's N is the whole tile
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -157,9 +160,13 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_
     # fully masked rows (l = 0): o = 0, lse = -inf
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+    log2_l = gl.log2(l_safe)
+    lse = gl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
     # lse [B, Hq, Sq]; packed, [1, Hq, total] (stride_lb = 0) from the sequence's first row
-    gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start + o_m, lse, mask=o_m < Sq)
+    row = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
+    gl.store(LSE + row + o_m, lse, mask=o_m < Sq)
+    if STORE_LO:  # near a large m the two terms are close, so m - hi is exact
+        gl.store(LSE_LO + row + o_m, gl.where(empty, 0.0, (m_i - mul_rn(lse, LOG2E)) + log2_l), mask=o_m < Sq)
     acc = acc / gl.convert_layout(l_safe, row_o)[:, None]
     # o through shared memory (q's buffer, no longer read) and TMA, which clips rows past Sq
     q_smem.reshape([BLOCK_M, D]).store(acc.to(dtype))

@@ -49,16 +49,25 @@ def load_rows(desc, ring, bars, j, b, h, start, length, n_tiles, ROWS: gl.conste
 
 
 @gluon.jit
-def sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, offset, bottom_right, VARLEN: gl.constexpr):
+def _span(CU, b, total):
+    """(start, length) of sequence b, its bounds clamped into [0, total]: the ragged descriptors
+    bound nothing (their extents are 2**30 and more), so a cu_seqlens entry past the packed
+    rows would otherwise move copies and stores outside the tensors."""
+    start = gl.minimum(gl.maximum(gl.load(CU + b), 0), total)
+    end = gl.minimum(gl.maximum(gl.load(CU + b + 1), start), total)
+    return start, end - start
+
+
+@gluon.jit
+def sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset, bottom_right, VARLEN: gl.constexpr):
     """(b, q_start, Sq_b, k_start, Sk_b, offset_b) of grid row b: dense, (b, 0, Sq, 0, Sk, offset);
-    packed, sequence ORDER[b] (longest first) with its rows in the packed tensors and its causal
-    offset (plus Sk_b - Sq_b where bottom_right is 1, flash-attn's varlen alignment)."""
+    packed, sequence ORDER[b] (longest first) with its rows in the packed tensors (total_q,
+    total_k rows; see `_span`) and its causal offset (plus Sk_b - Sq_b where bottom_right is 1,
+    flash-attn's varlen alignment)."""
     if VARLEN:
         b = gl.load(ORDER + b)
-        q_start = gl.load(CU_Q + b)
-        Sq = gl.load(CU_Q + b + 1) - q_start
-        k_start = gl.load(CU_K + b)
-        Sk = gl.load(CU_K + b + 1) - k_start
+        q_start, Sq = _span(CU_Q, b, total_q)
+        k_start, Sk = _span(CU_K, b, total_k)
         offset = offset + bottom_right * (Sk - Sq)
     else:
         q_start = 0

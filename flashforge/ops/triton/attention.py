@@ -136,8 +136,7 @@ def _batch_and_lengths(q, k, params: AttnParams):
 
 
 def attention_forward(q, k, v, mask, params: AttnParams, lse_lo=None):
-    if lse_lo is not None:  # TODO(lse_lo): written by the kernels in the next commit
-        lse_lo.zero_()
+    """(o, lse); with ``lse_lo`` (float32, lse's shape) also its low part (`flashforge.ops.params`)."""
     if params.seqlens_k is not None and mask is None and q.device.type == "cuda" and replay.usable():
         # a KV-cache call (decoding: host-bound, repeated with one shape): replayed from a plan
         # (ops/replay.py) keyed by everything this launcher reads but the tensors' addresses
@@ -145,10 +144,10 @@ def attention_forward(q, k, v, mask, params: AttnParams, lse_lo=None):
             ("attention_forward", generation(), replay.generation[0], q.device, torch.cuda.current_device()),
             dict(q=q, k=k, v=v), params)
         return replay.call(key, named, lambda rec: _forward(q, k, v, None, params, rec))
-    return _forward(q, k, v, mask, params, replay.DIRECT)
+    return _forward(q, k, v, mask, params, replay.DIRECT, lse_lo)
 
 
-def _forward(q, k, v, mask, params: AttnParams, rec):
+def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
     """The forward's launches; `rec` makes fresh tensors and launches (`replay.DIRECT`, or a
     recorder that notes both for a plan)."""
     _, Sq, Hq, D = q.shape  # Sq: rows per (b, h) of o and lse (a packed batch's total)
@@ -160,7 +159,7 @@ def _forward(q, k, v, mask, params: AttnParams, rec):
     if not interpret:
         g_cfg = cfg if cfg.gluon else gluon_config(max(D, Dv), q.element_size(), params.window_right >= 0, _arch(q))
         if g_cfg is not None and gluon_attention.in_scope(q, k, v, mask, params, g_cfg, _arch(q)):
-            return gluon_attention.attention_forward(q, k, v, params, g_cfg, _longest_first(params, None))
+            return gluon_attention.attention_forward(q, k, v, params, g_cfg, _longest_first(params, None), lse_lo)
     group = Hq // Hkv
     if params.seqlens_k is not None and mask is None:
         # a KV-cache call: its own tiles where its rows (x the group, packed) fit one of them
@@ -199,8 +198,11 @@ def _forward(q, k, v, mask, params: AttnParams, rec):
     # the merge of a split call launches as a programmatic dependent (sm_90+): a decoding
     # step is a few microseconds of work, so the second kernel's launch latency counts
     pdl = splits > 1 and not interpret and _arch(q)[0] >= 9
+    store_lo = lse_lo is not None and splits == 1
+    if lse_lo is not None and not store_lo:  # (split-KV serves KV caches only: no backward)
+        lse_lo.zero_()
     rec.launch(attn_fwd_kernel, grid,
-        q, k, v, o_out, lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns, k_desc, v_desc,
+        q, k, v, o_out, lse_out, lse_lo if store_lo else lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns, k_desc, v_desc,
         _longest_first(params, offsets),
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
         *m_strides, s_ab, s_ah, *paging, *split_strides, splits, params.seqlens_k_add,
@@ -210,7 +212,7 @@ def _forward(q, k, v, mask, params: AttnParams, rec):
         ROPE_DIM=0 if rope is None else rope.rotary_dim, ROPE_INTERLEAVED=rope is not None and rope.interleaved,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
         SCALE_POS=params.scale > 0, WS=cfg.ws and not interpret,
-        POLY_EXP2=cfg.poly_exp2 if q.element_size() == 2 else 0, PDL=pdl,
+        POLY_EXP2=cfg.poly_exp2 if q.element_size() == 2 else 0, PDL=pdl, STORE_LO=store_lo,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -224,13 +226,15 @@ def _forward(q, k, v, mask, params: AttnParams, rec):
     return o, lse
 
 
-def _gluon_backward(q, k, v, do, lse, mask, params: AttnParams, cfg_kv, cfg_q, arch):
+def _gluon_backward(q, k, v, do, lse, mask, params: AttnParams, cfg_kv, cfg_q, arch, lse_lo):
     """(dK/dV tiles, dQ tiles) of the sm_90 Gluon kernels, each None where it does not serve:
     the call out of their scope, or no Gluon entry for that pass (either may serve alone)."""
     D, elem = max(q.shape[3], v.shape[3]), q.element_size()
     g_kv = cfg_kv if cfg_kv.gluon else gluon_config(D, elem, False, arch, "bwd_kv")
     g_q = cfg_q if cfg_q.gluon else gluon_config(D, elem, False, arch, "bwd_q")
-    if (g_kv is None and g_q is None) or not gluon_attention.bwd_call_in_scope(q, k, v, do, lse, mask, params, arch):
+    if g_kv is None and g_q is None:
+        return None, None
+    if not gluon_attention.bwd_call_in_scope(q, k, v, do, lse, mask, params, arch, lse_lo):
         return None, None
     return (g_kv if g_kv is not None and gluon_attention.bwd_tiles_fit("bwd_kv", g_kv) else None,
             g_q if g_q is not None and gluon_attention.bwd_tiles_fit("bwd_q", g_q) else None)
@@ -248,7 +252,8 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     if mask is not None:
         cfg_kv, cfg_q = with_mask("bwd_kv", cfg_kv), with_mask("bwd_q", cfg_q)
     BD = _padded(D, Dv)
-    g_kv, g_q = (None, None) if interpret else _gluon_backward(q, k, v, do, lse, mask, params, cfg_kv, cfg_q, arch)
+    g_kv, g_q = (None, None) if interpret else _gluon_backward(q, k, v, do, lse, mask, params, cfg_kv, cfg_q, arch,
+                                                                                 lse_lo)
 
     offsets = params.offset_tensor if params.offset_tensor is not None else q  # (q: a placeholder pointer)
     order = _longest_first(params, offsets)
@@ -258,8 +263,10 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         if (g_kv.block_m, g_kv.block_n) == (g_q.block_m, g_q.block_n):
             shared = gluon_attention.input_descriptors(q, k, v, do, params, g_kv)
         # dQ first: it also computes delta = rowsum(o * dO) - dlse, which the dK/dV kernel reads
-        dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order, shared, o, dlse)
-        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order, shared)
+        dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order, shared, o, dlse,
+                                              lse_lo=lse_lo)
+        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order, shared,
+                                                    lse_lo=lse_lo)
         return dq, dk, dv, None
 
     # delta = rowsum(o * dO) - dlse (the portable kernel serves every other call)
@@ -271,6 +278,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
 
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
     (offsets, alibi, s_ab, s_ah, cu_q, cu_k, seed_t), scalars, flags = _common_args(q, params)
+    lo_t = lse_lo if lse_lo is not None else lse  # (lse: a placeholder pointer)
 
     def tiles(cfg):
         return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BD, BLOCK_DV=BD,
@@ -281,28 +289,29 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     # to be deterministic); else the dQ kernel recomputes the scores per query block
     fused = cfg_kv.fused_dq and not params.deterministic and g_kv is None and g_q is None
     if g_kv is not None:
-        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order)
+        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order, lse_lo=lse_lo)
     else:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else q
         launch(attn_bwd_dkdv_kernel, (cdiv(max_sk, cfg_kv.block_n), B * Hkv),
-            q, k, v, do, lse, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t, dq_acc, order,
+            q, k, v, do, lse, lo_t, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t, dq_acc, order,
             *strides_qkvdo, *_bshd_strides(dk, vl), *_bshd_strides(dv, vl), *m_strides, s_ab, s_ah,
             *_bshd_strides(dq_acc, vl), Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
             HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv), FUSED_DQ=fused,
+            HAS_LO=lse_lo is not None,
         )
     if fused:
         dq = dq_acc.mul_(params.scale).to(q.dtype)
     elif g_q is not None:
-        dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order)
+        dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order, lse_lo=lse_lo)
     else:
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         launch(attn_bwd_dq_kernel, (cdiv(max_sq, cfg_q.block_m), B * Hq),
-            q, k, v, do, lse, delta, dq, mask_t, offsets, alibi, cu_q, cu_k, seed_t, order,
+            q, k, v, do, lse, lo_t, delta, dq, mask_t, offsets, alibi, cu_q, cu_k, seed_t, order,
             *strides_qkvdo, *_bshd_strides(dq, vl), *m_strides, s_ab, s_ah,
             Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
-            HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_q),
+            HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_q), HAS_LO=lse_lo is not None,
         )
 
     dmask = None
@@ -312,11 +321,12 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         m_bcast, n_bcast = Sqm == 1 and Sq > 1, Skm == 1 and Sk > 1
         grid = (cdiv(Sqm, cfg_q.block_m), cdiv(Skm, cfg_q.block_n), Bm * Hm)
         launch(attn_bwd_dmask_kernel, grid,
-            q, k, v, do, lse, delta, dmask, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
+            q, k, v, do, lse, lo_t, delta, dmask, mask_t, offsets, alibi, cu_q, cu_k, seed_t,
             *strides_qkvdo, *m_strides, s_ab, s_ah, *dmask.stride(),
             B, Hq, Sq, Sk, D, Dv, Hq // Hkv, Hm, Sqm, Skm, *scalars,
             MASK_BOOL=mask_bool, **flags,
             B_BCAST=Bm == 1 and B > 1, H_BCAST=Hm == 1 and Hq > 1, M_BCAST=m_bcast, N_BCAST=n_bcast,
             OUT_M=1 if m_bcast else cfg_q.block_m, OUT_N=1 if n_bcast else cfg_q.block_n, **tiles(cfg_q),
+            HAS_LO=lse_lo is not None,
         )
     return dq, dk, dv, dmask

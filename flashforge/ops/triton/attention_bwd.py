@@ -12,13 +12,14 @@
 - `attn_bwd_dmask_kernel`: one program per tile of the mask's own shape; loops
   over the dims the mask broadcasts over, so dmask is reduced in a fixed order.
 
-All recompute P = exp(score - lse) with the forward's `score_tile`, and
+All recompute P = exp(score - lse) with the forward's `score_tile` (and the low part of
+lse, LSE_LO, with HAS_LO: `flashforge.ops.params`), and
 dS = P * (dP' - delta) where dP' is dO V^T with the dropout mask applied.
 """
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, batch_head, full_key_range, full_query_range, key_range, load_offset, load_slope, load_tile,
+from .common import (LOG2E, batch_head, exp_arg, mul_rn, full_key_range, full_query_range, key_range, load_offset, load_slope, load_tile,
                      lse_row0, query_range, score_tile, seq_bounds)
 from .dropout import dropout_keep
 
@@ -55,30 +56,37 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off, win_left, win_right,
+def _ds_tile(qk, dp, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off, win_left, win_right,
              scale, softcap, slope, seed, drop_threshold, drop_scale,
              MASK, stride_mb, stride_mh, stride_mm, stride_mn,
              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
              TRANSPOSED: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr = True):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr = True,
+             HAS_LO: tl.constexpr = False):
     """From qk = <q, k> and dp = dO V^T (both [BM, BN], or [BN, BM] if TRANSPOSED),
     return (P' = P with dropout applied and scaled, dS w.r.t. the score,
-    dS w.r.t. the raw product <q, k> divided by scale)."""
+    dS w.r.t. the raw product <q, k> divided by scale).  lse2, lo: the row's
+    `_load_row_stats` (lo read only with HAS_LO)."""
     if TRANSPOSED:
         i2 = o_m[None, :]
         j2 = o_n[:, None]
         lse2b = lse2[None, :]
+        lob = lo[None, :]
         deltab = delta[None, :]
     else:
         i2 = o_m[:, None]
         j2 = o_n[None, :]
         lse2b = lse2[:, None]
+        lob = lo[:, None]
         deltab = delta[:, None]
     s2, t = score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softcap, slope,
                        MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                        HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_ALIBI, CHECK)
-    p = tl.exp2(s2 - lse2b)
+    x = exp_arg(qk, s2, lse2b, scale, not (HAS_MASK or HAS_SOFTCAP or HAS_ALIBI), CHECK)
+    if HAS_LO:
+        x = x - lob
+    p = tl.exp2(x)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, drop_threshold, bh, o_m, o_n, BLOCK_M, BLOCK_N)
         if TRANSPOSED:
@@ -96,23 +104,28 @@ def _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off, win_left, win
 
 
 @triton.jit
-def _load_row_stats(LSE, DELTA, row0, o_m, Sq):
+def _load_row_stats(LSE, LSE_LO, DELTA, row0, o_m, Sq, HAS_LO: tl.constexpr):
+    """(lse2, lo, delta) of rows o_m: P = exp2((s2 - lse2) - lo) (`flashforge.ops.params`)."""
     lse = tl.load(LSE + row0 + o_m, mask=o_m < Sq, other=0.0)
     # fully masked rows (lse = -inf) have every score -inf: shift by 0 so P = 0, not NaN
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    lse2 = tl.where(lse == float("-inf"), 0.0, mul_rn(lse, LOG2E))
+    if HAS_LO:
+        lo = tl.load(LSE_LO + row0 + o_m, mask=o_m < Sq, other=0.0)
+    else:
+        lo = lse2
     delta = tl.load(DELTA + row0 + o_m, mask=o_m < Sq, other=0.0)
-    return lse2, delta
+    return lse2, lo, delta
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, m_lo, m_hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
+def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, m_lo, m_hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
                 stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                 HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                p_dq, stride_dqs, FUSED_DQ: tl.constexpr):
+                p_dq, stride_dqs, FUSED_DQ: tl.constexpr, HAS_LO: tl.constexpr):
     """dK/dV contributions of the query tiles [m_lo, m_hi) of one query head.
     CHECK=False: the tiles lie inside Sq and every query sees every key of the
     tile (`full_query_range`), so the range and window tests are skipped.
@@ -127,15 +140,15 @@ def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, m_lo, m_hi, o_n, 
                          o_m[None, :], Sq, o_d[:, None], D, CHECK, EVEN_D)
         b_dot = load_tile(p_do + o_m[None, :].to(tl.int64) * stride_dos + o_dv[:, None],
                           o_m[None, :], Sq, o_dv[:, None], DV, CHECK, EVEN_D)
-        lse2, delta = _load_row_stats(LSE, DELTA, row0, o_m, Sq)
+        lse2, lo, delta = _load_row_stats(LSE, LSE_LO, DELTA, row0, o_m, Sq, HAS_LO)
         # [BN, BM]
         qkt = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)
         dpt = tl.dot(b_v, b_dot, input_precision=DOT_PRECISION)
-        p_dropt, _, ds_rawt = _ds_tile(qkt, dpt, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
+        p_dropt, _, ds_rawt = _ds_tile(qkt, dpt, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off,
                                        win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
                                        MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                        HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                                       True, BLOCK_M, BLOCK_N, CHECK)
+                                       True, BLOCK_M, BLOCK_N, CHECK, HAS_LO)
         # [BN, BDV] += P'^T dO ; [BN, BD] += dS^T Q
         dv = tl.dot(p_dropt.to(b_dot.dtype), tl.trans(b_dot), dv, input_precision=DOT_PRECISION)
         ds_lp = ds_rawt.to(b_qt.dtype)
@@ -150,7 +163,7 @@ def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, m_lo, m_hi, o_n, 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED, DQ_ACC, ORDER,
+    Q, K, V, DO, LSE, LSE_LO, DELTA, DK, DV_OUT, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED, DQ_ACC, ORDER,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -166,7 +179,7 @@ def attn_bwd_dkdv_kernel(
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    FUSED_DQ: tl.constexpr = False,
+    FUSED_DQ: tl.constexpr = False, HAS_LO: tl.constexpr = False,
 ):
     # Tiles here are transposed ([keys, queries]) so that dV += P'^T dO and
     # dK += dS^T Q take the accumulator tiles as they come out of the MMA,
@@ -215,24 +228,24 @@ def attn_bwd_dkdv_kernel(
         p_q = Q + b64 * stride_qb + h * stride_qh
         p_do = DO + b64 * stride_dob + h * stride_doh
         p_dq = DQ_ACC + b64 * stride_dqb + h * stride_dqh
-        dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, full_lo, full_hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
+        dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, full_lo, full_hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
                              stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
                              drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                              HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                              DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                             p_dq, stride_dqs, FUSED_DQ)
-        dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, lo, full_lo, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                             p_dq, stride_dqs, FUSED_DQ, HAS_LO)
+        dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, lo, full_lo, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
                              stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
                              drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                              HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                              DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                             p_dq, stride_dqs, FUSED_DQ)
-        dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, DELTA, row0, full_hi, hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                             p_dq, stride_dqs, FUSED_DQ, HAS_LO)
+        dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, full_hi, hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
                              stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
                              drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                              HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                              DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                             p_dq, stride_dqs, FUSED_DQ)
+                             p_dq, stride_dqs, FUSED_DQ, HAS_LO)
 
     dk *= scale
     m_nd = (o_n[:, None] < Sk) & (o_d[None, :] < D)
@@ -244,13 +257,14 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+def _dq_tiles(dq, b_q, b_do, K, V, lse2, lo, delta, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
               stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
               MASK, stride_mb, stride_mh, stride_mm, stride_mn,
               HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
               DOT_PRECISION: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              HAS_LO: tl.constexpr):
     """dQ contributions of the key tiles [n_lo, n_hi).  CHECK=False: tiles from
     `full_key_range` (inside Sk, seen in full by every query of the block)."""
     EVEN_D: tl.constexpr = (D == BLOCK_D) and (DV == BLOCK_DV)
@@ -264,11 +278,11 @@ def _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, n_lo, n_hi, o_m, o_d, o_dv, b, h
         # [BM, BN]
         qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
         dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
-        _, _, ds_raw = _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
+        _, _, ds_raw = _ds_tile(qk, dp, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off,
                                 win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
                                 MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                 HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                                False, BLOCK_M, BLOCK_N, CHECK)
+                                False, BLOCK_M, BLOCK_N, CHECK, HAS_LO)
         # [BM, BD] += dS K
         dq = tl.dot(ds_raw.to(b_kt.dtype), tl.trans(b_kt), dq, input_precision=DOT_PRECISION)
     return dq
@@ -276,7 +290,7 @@ def _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, n_lo, n_hi, o_m, o_d, o_dv, b, h
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED, ORDER,
+    Q, K, V, DO, LSE, LSE_LO, DELTA, DQ, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED, ORDER,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -290,6 +304,7 @@ def attn_bwd_dq_kernel(
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LO: tl.constexpr = False,
 ):
     if SEED_FROM_PTR:  # an unseeded call: the seed was drawn on the device
         seed = tl.load(SEED)
@@ -321,7 +336,7 @@ def attn_bwd_dq_kernel(
                   mask=m_qd, other=0.0)
     b_do = tl.load(DO + b64 * stride_dob + h * stride_doh + o_m[:, None].to(tl.int64) * stride_dos + o_dv[None, :],
                    mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV), other=0.0)
-    lse2, delta = _load_row_stats(LSE, DELTA, row0, o_m, Sq)
+    lse2, lo_row, delta = _load_row_stats(LSE, LSE_LO, DELTA, row0, o_m, Sq, HAS_LO)
     slope = load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI)
     K += b64 * stride_kb + hk * stride_kh
     V += b64 * stride_vb + hk * stride_vh
@@ -333,21 +348,21 @@ def attn_bwd_dq_kernel(
     # key tiles [full_lo, full_hi) need no range / window test
     full_lo, full_hi = full_key_range(m_start, m_start + BLOCK_M - 1, off, win_left, win_right, Sk, lo, hi,
                                       BLOCK_N, HAS_WL, HAS_WR)
-    dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+    dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, lo_row, delta, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
                    stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold,
                    drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                    HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                   DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
-    dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, lo, full_lo, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                   DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_LO)
+    dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, lo_row, delta, lo, full_lo, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
                    stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold,
                    drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                    HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                   DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
-    dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, delta, full_hi, hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                   DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_LO)
+    dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, lo_row, delta, full_hi, hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
                    stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold,
                    drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                    HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                   DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+                   DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_LO)
 
     dq *= scale
     tl.store(DQ + b64 * stride_dqb + h * stride_dqh + o_m[:, None].to(tl.int64) * stride_dqs + o_d[None, :],
@@ -356,7 +371,7 @@ def attn_bwd_dq_kernel(
 
 @triton.jit
 def attn_bwd_dmask_kernel(
-    Q, K, V, DO, LSE, DELTA, DMASK, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED,
+    Q, K, V, DO, LSE, LSE_LO, DELTA, DMASK, MASK, OFFSETS, ALIBI, CU_Q, CU_K, SEED,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -371,7 +386,7 @@ def attn_bwd_dmask_kernel(
     B_BCAST: tl.constexpr, H_BCAST: tl.constexpr, M_BCAST: tl.constexpr, N_BCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    OUT_M: tl.constexpr, OUT_N: tl.constexpr,
+    OUT_M: tl.constexpr, OUT_N: tl.constexpr, HAS_LO: tl.constexpr = False,
 ):
     """dmask[bm, hm, i, j] = sum of dS over the (b, h, i, j) that broadcast onto it."""
     if SEED_FROM_PTR:  # an unseeded call: the seed was drawn on the device
@@ -407,7 +422,8 @@ def attn_bwd_dmask_kernel(
                               + o_d[None, :], mask=(o_m[:, None] < Sq) & (o_d[None, :] < D), other=0.0)
                 b_do = tl.load(DO + b64 * stride_dob + h * stride_doh + o_m[:, None].to(tl.int64) * stride_dos
                                + o_dv[None, :], mask=(o_m[:, None] < Sq) & (o_dv[None, :] < DV), other=0.0)
-                lse2, delta = _load_row_stats(LSE, DELTA, lse_row0(b, h, Hq, Sq, 0, False), o_m, Sq)
+                lse2, lo, delta = _load_row_stats(LSE, LSE_LO, DELTA, lse_row0(b, h, Hq, Sq, 0, False), o_m, Sq,
+                                                  HAS_LO)
                 for n_start in range(n_lo, n_hi, BLOCK_N):
                     o_n = n_start + tl.arange(0, BLOCK_N)
                     b_kt = tl.load(K + b64 * stride_kb + hk * stride_kh + o_n[None, :].to(tl.int64) * stride_ks
@@ -416,11 +432,11 @@ def attn_bwd_dmask_kernel(
                                    + o_dv[:, None], mask=(o_n[None, :] < Sk) & (o_dv[:, None] < DV), other=0.0)
                     qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
                     dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
-                    _, ds, _ = _ds_tile(qk, dp, o_m, o_n, lse2, delta, b, h, bh, Sq, Sk, off,
+                    _, ds, _ = _ds_tile(qk, dp, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off,
                                         win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
                                         MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                         True, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                                        False, BLOCK_M, BLOCK_N)
+                                        False, BLOCK_M, BLOCK_N, True, HAS_LO)
                     acc += ds
 
     # reduce the tile over broadcast rows / columns; such a dim has size 1 in dmask

@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import (LN2, LOG2E, batch_head, exp2_split, full_key_range, key_range, key_rows, load_offset, load_slope,
-                     load_tile, lse_row0, score_tile, seq_bounds)
+from .common import (LN2, LOG2E, batch_head, exp2_split, exp_arg, full_key_range, key_range, key_rows, load_offset,
+                     load_slope, load_tile, lse_row0, mul_rn, score_tile, seq_bounds)
 from .dropout import dropout_keep
 from .rope import rope_cos_sin, rope_partner, rope_rotate
 
@@ -71,7 +71,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
             c = scale * LOG2E
             m_new = tl.maximum(m_i, tl.max(qk, axis=1) * c)
             m_shift = m_new
-            p = exp2_split(qk * c - m_shift[:, None], POLY_EXP2, BLOCK_N)
+            p = exp2_split(tl.fma(qk, c, -m_shift[:, None]), POLY_EXP2, BLOCK_N)  # as `exp_arg` rounds it
         else:
             s2, _ = score_tile(qk, o_m[:, None], o_n[None, :], b, h, Sq, Sk, off, win_left, win_right, scale,
                                softcap, slope, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
@@ -79,7 +79,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
             m_new = tl.maximum(m_i, tl.max(s2, axis=1))
             # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s2 - m_shift[:, None])
+            p = tl.exp2(exp_arg(qk, s2, m_shift[:, None], scale, not (HAS_MASK or HAS_SOFTCAP or HAS_ALIBI), CHECK))
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if HAS_DROPOUT:
@@ -100,7 +100,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, MASK, OFFSETS, ALIBI, CU_Q, CU_K, BT, SEED, TURNS, K_DESC, V_DESC, ORDER,
+    Q, K, V, O, LSE, LSE_LO, MASK, OFFSETS, ALIBI, CU_Q, CU_K, BT, SEED, TURNS, K_DESC, V_DESC, ORDER,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -117,7 +117,7 @@ def attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SCALE_POS: tl.constexpr = False, WS: tl.constexpr = False, POLY_EXP2: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, STORE_LO: tl.constexpr = False,
 ):
     # Sq, Sk: the lengths of a dense batch; for a packed (varlen) batch, the total
     # rows, with each sequence's bounds read from CU_Q / CU_K (batch strides are 0).
@@ -132,6 +132,8 @@ def attn_fwd_kernel(
     # (decoding: Sq is tiny, the group fills the tile).
     # ROPE_DIM > 0: q is rotated at its absolute positions after loading (TURNS from
     # `rope_turns`).  USE_TMA: K/V tiles through the descriptors K_DESC / V_DESC.
+    # STORE_LO: also write LSE_LO, what the backward's lse * LOG2E misses of m + log2(l)
+    # (`flashforge.ops.params`).
     # PDL (a split call on sm_90+): let the merge kernel, launched as a programmatic
     # dependent, start now; it waits (`gdc_wait`) for this grid's partials before reading
     # them, so its launch latency overlaps this kernel instead of following it.
@@ -244,7 +246,12 @@ def attn_fwd_kernel(
     empty = l_i == 0.0  # fully masked row: o = 0, lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)
     acc = acc * (drop_scale / l_safe)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    log2_l = tl.log2(l_safe)
+    lse = tl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
+    if STORE_LO:
+        # near a large m the two terms are close, so m - hi is exact
+        lo = tl.where(empty, 0.0, (m_i - mul_rn(lse, LOG2E)) + log2_l)
+        tl.store(LSE_LO + row0 + o_m, lo, mask=m_row)
 
     p_o = (O + b64 * stride_ob + h2 * stride_oh + o_m[:, None].to(tl.int64) * stride_os
            + o_dv[None, :])

@@ -4,11 +4,44 @@ Scores are kept in log2 units (``s2 = score * log2(e)``) so the softmax uses
 ``exp2``; lse is stored in natural log.  One helper computes the score tile for
 forward and backward alike, so the two can never disagree on what is visible.
 """
+import os
+
 import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# Triton reads TRITON_INTERPRET once, at import; so do we (inline PTX has no interpreter twin)
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def mul_rn(a, b):
+    """a * b rounded once to float32 and never fused into a neighbouring add: the backward's
+    lse * LOG2E must be the very float32 the forward measured lse_lo against (PTX contracts a
+    multiply without a rounding modifier into a following add; `mul.rn` it leaves alone)."""
+    if INTERPRETING:
+        r = a * b
+    else:
+        r = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, tl.zeros_like(a) + b],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
+def exp_arg(qk, s2, shift, scale, PLAIN_SCORE: tl.constexpr, CHECK: tl.constexpr):
+    """The exponent of P in log2 units, s2 - shift, rounded the same way in the forward and
+    the backward whatever their tiles: with no score modifier (PLAIN_SCORE) as one fused
+    multiply-add of the raw product, which rounds the small difference rather than a
+    score of 1e7 (its ulp is 1); otherwise from `score_tile`'s s2.  CHECK: s2 holds -inf
+    where the key is invisible."""
+    if PLAIN_SCORE:
+        x = tl.fma(qk, scale * LOG2E, -shift)
+        if CHECK:
+            x = tl.where(s2 == float("-inf"), float("-inf"), x)
+    else:
+        x = s2 - shift
+    return x
 
 
 @triton.jit

@@ -1,0 +1,95 @@
+"""Gradients at the logits of a diverging run (|q|, |k| ~ 1e2-1e4, scores 1e6-1e8), Triton
+kernels (issue 19, part 2).  There one ulp of a float32 lse is 0.06-8, so P recomputed from
+lse alone is off by up to e**8 per row; the forward also writes lse's low part (`lse_lo`,
+`flashforge.ops.params`) and the backward adds it back.  Checks: with dO = 1 each key's
+``dv`` sums the probabilities it received, so ``dv.sum(over keys) == Sq`` exactly when every
+row of P sums to 1; and dq, dk, dv against the float64 reference.  Pairs of identical keys
+make ties at each row's maximum (l = 2 there), where a rounded lse visibly loses log2(l).
+
+Under the interpreter a fixture makes the dot products order-independent: numpy's float32
+matmul (BLAS) sums each product in an order that depends on the operand shapes, so the
+forward's q.k and the dK/dV kernel's k.q differ in the last bit, which at 1e7 is itself a
+factor of e in P.  The GPU's MMA sums the same products alike in either orientation (the
+GPU test below has no such fixture).  The CPU path has its own test (test_attention_torch).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flashforge
+from flashforge import reference
+from helpers import HAS_TRITON, INTERPRET
+
+needs_triton = pytest.mark.skipif(not (HAS_TRITON and (INTERPRET or torch.cuda.is_available())),
+                                  reason="triton is not installed, or neither CUDA nor TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+# the column sums of dv: P is 1 or 1/2 at the tied maxima, exact in every dtype
+SUM_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+
+
+@pytest.fixture
+def consistent_dots(monkeypatch):
+    """Under the interpreter: every tl.dot from float64 sums, rounded once (see the module docstring)."""
+    if not INTERPRET:
+        return
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(d.data.dtype)
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def _check(dtype, magnitude, *, B=1, S=16, Hq=2, Hkv=2, D=16, causal=False, ties=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, Hq, D, generator=gen) * magnitude
+    k = torch.randn(B, S, Hkv, D, generator=gen) * magnitude
+    if ties:
+        k[:, 1::2] = k[:, 0::2]
+    v = torch.randn(B, S, Hkv, D, generator=gen)
+    leaves = [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+    o, lse = flashforge.attention(*leaves, causal=causal, backend="triton", return_lse=True)
+    o.backward(torch.ones_like(o))
+    ref_leaves = [t.detach().double().cpu().requires_grad_() for t in leaves]
+    ref_o, ref_lse = reference.attention(*ref_leaves, causal=causal, return_lse=True)
+    ref_o.backward(torch.ones_like(ref_o))
+
+    col = leaves[2].grad.double().cpu().sum(dim=1)  # [B, Hkv, D]: each of Hq // Hkv heads sums to S
+    torch.testing.assert_close(col, torch.full_like(col, S * Hq // Hkv), rtol=SUM_TOL[dtype], atol=0,
+                               msg="rows of P do not sum to 1")
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=1e-6, atol=0)
+    # dq and dk are sums of terms of size ~magnitude that cancel at ties: errors are measured
+    # against that size (an rms of `magnitude` per element), o and dv against 1
+    for name, ours, ref, size in (("o", o, ref_o, 1.0), ("dq", leaves[0].grad, ref_leaves[0].grad, magnitude),
+                                  ("dk", leaves[1].grad, ref_leaves[1].grad, magnitude),
+                                  ("dv", leaves[2].grad, ref_leaves[2].grad, 1.0)):
+        err = (ours.double().cpu() - ref).norm() / max(ref.norm(), size * ref.numel() ** 0.5)
+        assert err < TOL[dtype], f"{name}: relative error {err:.2e} >= {TOL[dtype]}"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,magnitude", [(torch.float16, 3e2), (torch.float16, 1e4), (torch.float32, 1e3),
+                                             (torch.float32, 1e4)], ids=["fp16-3e2", "fp16-1e4", "fp32-1e3", "fp32-1e4"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_extreme_logits_kernels(consistent_dots, dtype, magnitude, causal):
+    # (bfloat16 runs on the GPU only: the interpreter's bfloat16 is not faithful)
+    _check(dtype, magnitude, causal=causal)
+
+
+@needs_triton
+def test_extreme_logits_gqa_without_ties(consistent_dots):
+    _check(torch.float32, 1e4, Hq=4, Hkv=2, ties=False, causal=True, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,magnitude", [(torch.float16, 1e4), (torch.bfloat16, 3e3), (torch.float32, 1e3),
+                                             (torch.float32, 1e4)], ids=["fp16-1e4", "bf16-3e3", "fp32-1e3", "fp32-1e4"])
+@pytest.mark.parametrize("D,S", [(40, 80), (64, 128), (128, 200)], ids=["portable-D40", "D64", "D128"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_extreme_logits_gpu(dtype, magnitude, D, S, causal):
+    """D = 64 / 128 with 16-bit inputs and >= 64 rows take the sm_90 Gluon kernels on an H100/H200."""
+    _check(dtype, magnitude, B=2, S=S, Hq=4, Hkv=2, D=D, causal=causal)
