@@ -246,6 +246,12 @@ def record(quick: bool):
     rope = RopeParams(theta=10000.0, rotary_dim=64, interleaved=True)
     launchers.attention_forward(q, torch.randn(B, 256, Hkv, D, dtype=torch.bfloat16), kc[:B].clone(), None,
                                 replace(p, block_table=None, num_splits=1, q_rope=rope))
+    # D = 256, MQA, 256-row pages, split, queries x group past one tile (flash-attn's kvcache test):
+    # crashed ptxas (exit -11) with the forward's tiles before D = 256 got its KV-cache entry
+    q256, kc256 = torch.randn(2, 64, 6, 256, dtype=torch.float16), torch.randn(8, 256, 1, 256, dtype=torch.float16)
+    launchers.attention_forward(q256, kc256, kc256, None, AttnParams(
+        scale=0.0625, offset_bottom_right=True, seqlens_k=torch.full((2,), 100, dtype=torch.int32),
+        block_table=torch.zeros(2, 4, dtype=torch.int32), num_splits=3))
     new = torch.randn(B, 1, Hkv, D, dtype=torch.bfloat16)
     kvcache.append(kc, kc, new, new, p.seqlens_k, p.block_table, rope)
     kvcache.append(kc[:B], kc[:B], new, new, p.seqlens_k, None, None)

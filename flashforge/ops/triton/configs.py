@@ -68,6 +68,12 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # GQA 32/8, auto splits, GB/s for 64 x 64 -> 16 x 64 (benchmarks/RESULTS.md v0.7.2):
     # B = 1 4k 1205 -> 1295, 32k 2878 -> 2933; B = 4 4k 2277 -> 2335; B >= 32 and 128k level
     ("fwd_decode", 128, 2): TileConfig(16, 64, 4, 3, tma=True),
+    # D = 256 KV-cache calls (a fwd_decode entry at least as tall as the forward's serves every
+    # KV-cache call, see the launcher): the forward's 64 x 32 tiles with pointer loads crash
+    # ptxas 12.x/13.0 (exit -11) for paged, split, unpacked calls (MQA/GQA with Sq x group > 64;
+    # flash-attn's test_flash_attn_kvcache at d = 256, 256-row pages); through TMA they compile
+    # (247 registers, no spill; reproduced and checked offline with sm90_compile_check)
+    ("fwd_decode", 256, 2): TileConfig(64, 32, 4, 2, tma=True),
     # The Gluon forward (ops/gluon) for the calls in its scope, one warpgroup per program (two
     # programs per SM), against the portable tiles above; H200, S = 1k / 4k / 16k, TFLOP/s
     # (benchmarks/RESULTS.md v0.4.0): D = 128: 480 / 544 / 510 against 381 / 493 / 528,
