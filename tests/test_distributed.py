@@ -243,6 +243,25 @@ def test_ops_are_registered_with_fake_impls_and_autograd(one):
     torch.library.opcheck(torch.ops.flashforge.cp_unshard, (torch.randn(2, 4, 3), name, 1, "zigzag", 1))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_group_of_one_on_cuda_with_nccl(layout, strategy):
+    """The Triton kernels and NCCL's collectives (the shape check; all-gather and reduce-scatter for
+    "allgather") on a group of one GPU: the results and gradients of `flashforge.attention`."""
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        q, k, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(B=2, S=256, Hq=8, Hkv=2, D=64))
+        o, lse = context_parallel_attention(q, k, v, layout=layout, strategy=strategy, causal=True, return_lse=True)
+        want_o, want_lse = flashforge.attention(q, k, v, causal=True, return_lse=True)
+        g = torch.autograd.grad((o.float().square().sum() + lse.sum()), (q, k, v))
+        want_g = torch.autograd.grad((want_o.float().square().sum() + want_lse.sum()), (q, k, v))
+        for a, b in zip((o, lse, *g), (want_o, want_lse, *want_g)):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- spawned groups of 4, 2 and 1
 
 

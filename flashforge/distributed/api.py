@@ -9,7 +9,7 @@ import torch.distributed as dist
 from ..api.attention import build_params, check_qkv_rank, unit_last_stride
 from ..api.validate import check_int, check_tensor
 from . import layout as lay
-from . import ops  # noqa: F401  (registers the custom ops)
+from . import ops
 
 __all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence"]
 
@@ -81,7 +81,7 @@ def unshard_sequence(x_local: torch.Tensor, group: Optional[dist.ProcessGroup] =
     if layout == "zigzag" and x_local.shape[dim] % 2:
         raise ValueError(f"x_local has {x_local.shape[dim]} rows along dim {dim}, an odd number: layout='zigzag' "
                          f"shards hold two equal chunks")
-    return torch.ops.flashforge.cp_unshard(x_local, group.group_name, group.size(), layout, dim)
+    return ops.cp_unshard(x_local, group.group_name, group.size(), layout, dim)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -134,7 +134,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         q, q.shape[0], causal=causal, causal_offset=0, window=window, dropout_p=0.0, seed=None, scale=scale,
         softcap=softcap, alibi_slopes=None, deterministic=deterministic, allow_tf32=False, backend=None)
     q, k, v = unit_last_stride(q, k, v)
-    o, lse = torch.ops.flashforge.cp_attention_fwd(
+    o, lse = ops.cp_attention_fwd(
         q, k, v, group.group_name, layout, strategy, params.scale, params.window_left, params.window_right,
         params.softcap, params.deterministic, backend)
     return (o, lse) if return_lse else o

@@ -51,5 +51,5 @@ def merge(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor) -> None:
     ref = new.masked_fill(new == _NEG_INF, 0.0)
     w_acc = (lse_acc - ref).exp_().transpose(1, 2).unsqueeze(-1)  # [B, n, H, 1]
     w = (lse - ref).exp_().transpose(1, 2).unsqueeze(-1)
-    o_acc.mul_(w_acc).add_(o * w)
+    o_acc.mul_(w_acc).addcmul_(o, w)  # o in its own dtype: no float32 copy of it
     lse_acc.copy_(new)
