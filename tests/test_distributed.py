@@ -354,8 +354,9 @@ def _expect_error(fn, match: str) -> list[str]:
     return [f"no ValueError ({match!r})"]
 
 
-def _multi_rank_errors(group) -> tuple[int, list[str]]:
-    """Errors only several ranks can see; every rank must raise, and the group keep working."""
+def _multi_rank_errors(group, other) -> tuple[int, list[str]]:
+    """Errors only several ranks can see; every rank must raise, and the group keep working.
+    ``other``: a group this rank is not in."""
     me = group.rank()
     q, k, v = _qkv(S=8 if me == 0 else 6)
     failures = _expect_error(lambda: context_parallel_attention(q, k, v, group=group), "different shapes")
@@ -365,9 +366,10 @@ def _multi_rank_errors(group) -> tuple[int, list[str]]:
     failures += _expect_error(lambda: shard_sequence(torch.randn(1, 6, 2), group, "zigzag"), "not divisible by 4")
     failures += _expect_error(lambda: shard_sequence(torch.randn(1, 5, 2), group, "contiguous"),
                               "not divisible by 2")
+    failures += _expect_error(lambda: context_parallel_attention(q, k, v, group=other), "not a member of the group")
     # afterwards the group still pairs up
     failures += _case(group, 99, layout="zigzag", strategy="ring", causal=True)
-    return 5, failures
+    return 6, failures
 
 
 def _unshard(group) -> tuple[int, list[str]]:
@@ -420,7 +422,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for name, (n, failures) in (("W=4", _cases(dist.group.WORLD, 0, True)),
                                 ("W=2", _cases(pair, 1000 * (1 + rank // 2), True)),
                                 ("W=1", _cases(singles[rank], 5000, False)),
-                                ("errors", _multi_rank_errors(pair)),
+                                ("errors", _multi_rank_errors(pair, singles[(rank + 1) % world])),
                                 ("unshard", _unshard(pair)),
                                 # one pair only: tracing costs more than all the other cases together
                                 ("compile", _compiled(pair) if rank < 2 else (0, []))):
@@ -439,7 +441,7 @@ def _free_port() -> int:
 def test_groups_of_4_2_and_1_match_attention(tmp_path):
     mp.spawn(_worker, args=(4, _free_port(), str(tmp_path)), nprocs=4)
     full = 2 * 2 * 2 * 2 * 2 + 4
-    expected = {"W=4": full, "W=2": full, "W=1": 4, "errors": 5, "unshard": 2}
+    expected = {"W=4": full, "W=2": full, "W=1": 4, "errors": 6, "unshard": 2}
     failures = []
     for rank in range(4):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
