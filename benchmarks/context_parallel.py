@@ -238,8 +238,8 @@ def print_scale(rows, desc) -> None:
           f"{'TFLOP/s':>8} {'eff':>5}  ring per step: fwd comm/hidden ms, bwd comm/hidden ms")
     for r in rows:
         ring = r.get("ring")
-        extra = "-" if ring is None else (f"{ring['fwd']['comm_per_step_ms']:.2f}/{ring['fwd']['hidden_per_step_ms']:.2f}, "
-                                          f"{ring['bwd']['comm_per_step_ms']:.2f}/{ring['bwd']['hidden_per_step_ms']:.2f}")
+        extra = "-" if ring is None else ", ".join(
+            f"{ring[p]['comm_per_step_ms']:.2f}/{ring[p]['hidden_per_step_ms']:.2f}" for p in ("fwd", "bwd"))
         print(f"{r['heads']:>6} {r['layout']:>10} {r['strategy']:>9} {r['ms']:8.2f} {r['single_gpu_ms']:8.2f} "
               f"{r['tokens_per_s_per_gpu']:10.0f} {r['tflops_per_gpu']:8.1f} {r['efficiency']:5.2f}  {extra}")
 

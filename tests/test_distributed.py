@@ -16,6 +16,7 @@ the group works afterwards), `unshard_sequence` and its gradient, and torch.comp
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -32,7 +33,7 @@ import flashforge
 from flashforge import reference
 from flashforge.distributed import context_parallel_attention, shard_sequence, unshard_sequence
 from flashforge.distributed import block, layout as lay
-from flashforge.distributed.plan import plan, schedule
+from flashforge.distributed.plan import schedule
 from flashforge.ops.params import AttnParams
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -124,7 +125,7 @@ def test_merge_of_key_halves_equals_attention_and_keeps_empty_rows_zero():
     mod = flashforge.ops.backends.backend_module("attention", "torch")
     for k0 in (0, 8):
         # queries against keys [k0, k0 + 8): a key block at offset -k0
-        out = mod.attention_forward(q, k[:, k0:k0 + 8], v[:, k0:k0 + 8], None, AttnParams(**{**p.__dict__, "offset": -k0}))
+        out = mod.attention_forward(q, k[:, k0:k0 + 8], v[:, k0:k0 + 8], None, dataclasses.replace(p, offset=-k0))
         block.merge(o, lse, out[0], out[1])
     torch.testing.assert_close(o, want_o, rtol=0, atol=1e-6)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-6)
