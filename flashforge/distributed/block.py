@@ -1,0 +1,55 @@
+"""One `Call` of a plan, forward and backward, on the backend's kernels, and the lse merge."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..ops.backends import backend_module
+from ..ops.params import AttnParams
+from .plan import Call
+
+_NEG_INF = float("-inf")
+
+
+def call_params(params: AttnParams, call: Call) -> AttnParams:
+    """The call's rule: the window at the call's offset, or no mask at all where every entry is visible."""
+    if call.masked:
+        return replace(params, offset=call.offset)
+    return replace(params, window_left=-1, window_right=-1, offset=0)
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, call: Call, params: AttnParams, backend: str) -> tuple[Tensor, Tensor]:
+    """(o, lse) of the call's query rows of ``q`` against its rows of the block ``k``, ``v``."""
+    out = backend_module("attention", backend).attention_forward(
+        q[:, call.q0:call.q1], k[:, call.k0:call.k1], v[:, call.k0:call.k1], None, call_params(params, call))
+    return out[0], out[1]  # a third output (an lse correction) is only for a backward of this call alone
+
+
+def backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+             call: Call, params: AttnParams, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the call, for the rows it covers, given the *merged* o and lse of the shard:
+    with them each block's probabilities are its share of the full softmax, so the per-block
+    gradients sum to the full ones (the ring-attention backward)."""
+    rows = slice(call.q0, call.q1)
+    dlse_rows = None if dlse is None else dlse[:, :, rows].contiguous()
+    dq, dk, dv, _ = backend_module("attention", backend).attention_backward(
+        do[:, rows], dlse_rows, q[:, rows], k[:, call.k0:call.k1], v[:, call.k0:call.k1], None, o[:, rows],
+        lse[:, :, rows].contiguous(), call_params(params, call), False)
+    return dq, dk, dv
+
+
+def merge(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor) -> None:
+    """Fold a partial result into running ones, in place: ``o_acc [B, n, H, Dv]`` (float32) and
+    ``lse_acc [B, H, n]`` become the attention over the union of both key sets.
+
+    ``o_new = o_acc * exp(lse_acc - lse_new) + o * exp(lse - lse_new)``.  Rows that no key of
+    either part sees stay at o = 0, lse = -inf (their weights are exp(-inf) = 0, not NaN)."""
+    new = torch.logaddexp(lse_acc, lse)
+    ref = new.masked_fill(new == _NEG_INF, 0.0)
+    w_acc = (lse_acc - ref).exp_().transpose(1, 2).unsqueeze(-1)  # [B, n, H, 1]
+    w = (lse - ref).exp_().transpose(1, 2).unsqueeze(-1)
+    o_acc.mul_(w_acc).addcmul_(o, w)  # o in its own dtype: no float32 copy of it
+    lse_acc.copy_(new)
