@@ -212,16 +212,16 @@ def test_shard_sequence_checks_divisibility_and_dim(one):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_group_of_one_is_attention(one, layout, strategy):
     """W = 1: no communication; the result and gradients are those of `flashforge.attention`
-    (the ring's single call even bitwise: merging into an empty accumulator is exact)."""
+    (the ring's forward even bitwise: merging into an empty accumulator is exact; its backward
+    to rounding, as it recomputes P from lse without the forward's low part, `lse_lo`)."""
     q, k, v = (t.requires_grad_() for t in _qkv(B=2, S=12, Hq=4, Hkv=2))
     kw = dict(causal=True, window=(5, -1), softcap=3.0)
     o, lse = context_parallel_attention(q, k, v, layout=layout, strategy=strategy, return_lse=True, **kw)
     want_o, want_lse = flashforge.attention(q, k, v, return_lse=True, **kw)
     g = torch.autograd.grad((o.square().sum() + lse.sum()), (q, k, v))
     want_g = torch.autograd.grad((want_o.square().sum() + want_lse.sum()), (q, k, v))
-    exact = strategy == "ring"
-    for a, b in zip((o, lse, *g), (want_o, want_lse, *want_g)):
-        if exact:
+    for i, (a, b) in enumerate(zip((o, lse, *g), (want_o, want_lse, *want_g))):
+        if strategy == "ring" and i < 2:
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
