@@ -89,3 +89,29 @@ def test_a_failed_row_fails_the_job(tmp_path, capsys, monkeypatch):
     assert "FAIL" in out and "differs from math" in out
     assert out.rstrip().splitlines()[-1] == "RESULT: FAILED (benchmark)"
     assert json.loads((tmp_path / "b.json").read_text())["ok"] is False
+
+
+def test_gpu_rows_table_has_fa4_cudnn_and_geomeans(tmp_path, capsys, monkeypatch):
+    """The GPU preset's rows, shrunk onto the CPU with a fake FA4: ours, FA4 and cuDNN per row (cuDNN cannot
+    run on the CPU: '-'), ours / the faster, and the grid's geometric means."""
+    import sys
+
+    from fake_fa4 import fake_fa4_module
+    from flashforge.benchmark import fa4
+    from flashforge.benchmark.suites import shrink
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake_fa4_module([]))
+    fa4.load.cache_clear()
+    cases = [shrink(c) for c in gpu_main_cases()[:4]]
+    monkeypatch.setattr(bench, "main_cases", lambda device_type, threads: cases)
+    monkeypatch.setattr(bench, "self_check", lambda device, report, path: True)
+    try:
+        assert bench.main(["--device", "cpu", "--json", str(tmp_path / "b.json")]) == 0
+    finally:
+        fa4.load.cache_clear()
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert all(r["peers"]["fa4"] and r["peers"]["cudnn"] is None and r["ratio_to"] == "fa4" for r in report["bench"])
+    assert set(report["grid_geomeans"]) == {"fwd", "fwd+bwd"} and report["grid_geomeans"]["fwd"]["rows"] == 2
+    head = next(line for line in out.splitlines() if line.startswith("case"))
+    assert head.split()[2:6] == ["ours", "fa4", "cudnn", "ours/best"]
+    assert "geomean over the 2 standard-grid rows, fwd+bwd: ours/best" in out

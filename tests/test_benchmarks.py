@@ -30,6 +30,8 @@ from flashforge.benchmark.suites import (ALL_ORDER, DECODE_CACHE_LIMIT, SUITES, 
                                          parse_suites, shrink, trim_flex, varlen_cases, varlen_lengths)
 from flashforge.benchmark.timing import Timing, count_timed, timing_plan
 
+from fake_fa4 import fake_fa4_module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -264,7 +266,8 @@ def test_table_ratio_to_the_faster_yardstick_and_fa4_missing():
     # a table whose rows never ask for FA4 does not mention it
     cpu = Case("cpu", "fwd", 1, 512, 512, 8, 8, 64, "float32", peers=("sdpa",))
     text = format_table([make_row(cpu, 30.0, {"sdpa": 40.0}, ok=True, unit="GFLOP/s")], "cpu", fa4_error="x")
-    assert "FA4 not available" not in text and "0.75 sdpa" in text and "GFLOP/s" in text.splitlines()[0]
+    assert "FA4 not available" not in text and "0.75 sdpa" in text
+    assert text.splitlines()[0] == "== cpu (GFLOP/s; ours/best = ours / the peer named) =="
 
 
 def test_grid_geomeans():
@@ -424,36 +427,9 @@ def test_runner_sets_threads_per_case(monkeypatch):
 
 @pytest.fixture
 def fresh_fa4():
-    fa4.load.cache_clear()
+    fa4.load.cache_clear()  # the import is cached per process
     yield
     fa4.load.cache_clear()
-
-
-def _fake_fa4(calls: list):
-    """flash_attn.cute's two entry points with FA4's meaning (bottom-right causal, window_size = (left,
-    right), (out, lse) returned), computed by our CPU path; qv, FA4's fourth positional argument, must stay
-    unset: every other argument has to be passed by keyword."""
-    import types
-
-    import flashforge
-    mod = types.ModuleType("flash_attn.cute")
-
-    def flash_attn_func(q, k, v, qv=None, *, causal=False, window_size=(None, None), **rest):
-        assert qv is None and not rest
-        calls.append(("dense", causal, window_size))
-        left = window_size[0]
-        o = flashforge.attention(q, k, v, causal=causal or left is not None, causal_offset="bottom_right",
-                                 window=None if left is None else (left, 0))
-        return o, None
-
-    def flash_attn_varlen_func(q, k, v, qv=None, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               causal=False, window_size=(None, None), **rest):
-        assert qv is None and not rest and window_size == (None, None)
-        calls.append(("varlen", causal, window_size))
-        return flashforge.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                           causal=causal), None
-    mod.flash_attn_func, mod.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
-    return mod
 
 
 @pytest.mark.parametrize("pick", [
@@ -467,7 +443,7 @@ def _fake_fa4(calls: list):
 ], ids=["grid-fwd", "grid-fwdbwd", "gqa", "window", "prefill", "varlen", "decode"])
 def test_fa4_peer_through_a_fake_module(pick, monkeypatch, fresh_fa4):
     calls: list = []
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", _fake_fa4(calls))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake_fa4_module(calls))
     case = shrink(pick())
     rows = Runner(torch.device("cpu"), flex_compiled=False, skip=("flex",)).run_case(case)
     assert calls and calls[0][1] == (case.causal and case.mode != "decode")
@@ -505,7 +481,7 @@ def test_fa4_says_what_it_cannot_take():
 
 
 def test_compare_suite_cpu_smoke_prints_fa4_and_geomeans(tmp_path, capsys, monkeypatch, fresh_fa4):
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", _fake_fa4([]))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake_fa4_module([]))
     rc = main(["--suite", "compare", "--filter", "D=64 S=1k", "--cpu-smoke", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out

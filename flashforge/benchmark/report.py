@@ -89,7 +89,9 @@ def format_table(rows: Sequence[dict], title: str = "", fa4_error: Optional[str]
     head += f" {'ours/best':>15} {'err':>6}  ok"
     lines = []
     if title:
-        lines.append(f"== {title} ({', '.join(units)}; ours/best = ours / max(FA4, cuDNN), else / the peer named) ==")
+        best = ("ours / max(FA4, cuDNN), else / the peer named" if set(cols) & set(YARDSTICK)
+                else "ours / the peer named")
+        lines.append(f"== {title} ({', '.join(units)}; ours/best = {best}) ==")
     if fa4_error and "fa4" in cols:
         lines.append(f"FA4 not available ({fa4_error}): its column is '-' and ours/best is ours / cuDNN")
     lines += [head, "-" * len(head)]
