@@ -124,9 +124,9 @@ if [ -n "${RC[bench]:-}" ]; then
     echo
     echo "================ benchmark (python -m flashforge.bench)"
     if [ -n "${RC[compare]:-}" ]; then  # the compare table below has these rows too: its means only
-        grep -E '^(FAIL|geomean|RESULT)' "$OUT_DIR/bench.log" | cut -c1-240
+        grep -E '^FAIL|FAIL$|^geomean|^RESULT' "$OUT_DIR/bench.log" | cut -c1-240
     else
-        grep -v ': done (' "$OUT_DIR/bench.log" | tail -n 80
+        grep -v ': done (' "$OUT_DIR/bench.log" 2>/dev/null | tail -n 80
     fi
 fi
 if [ -n "${RC[compare]:-}" ]; then
