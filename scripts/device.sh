@@ -124,7 +124,7 @@ if [ -n "${RC[bench]:-}" ]; then
     echo
     echo "================ benchmark (python -m flashforge.bench)"
     if [ -n "${RC[compare]:-}" ]; then  # the compare table below has these rows too: its means only
-        grep -E '^FAIL|FAIL$|^geomean|^RESULT' "$OUT_DIR/bench.log" | cut -c1-240
+        grep -E '^FAIL|FAIL$|^geomean|^RESULT' "$OUT_DIR/bench.log" 2>/dev/null | cut -c1-240
     else
         grep -v ': done (' "$OUT_DIR/bench.log" 2>/dev/null | tail -n 80
     fi
