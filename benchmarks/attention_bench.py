@@ -1,16 +1,13 @@
-"""GPU benchmark of flashforge against the attention kernels PyTorch ships: the command-line entry point.
+"""GPU benchmark of flashforge against FA4 and the attention kernels PyTorch ships: the command-line entry point.
 
     PYTHONPATH=. python benchmarks/attention_bench.py --suite SUITE --out DIR [options]
 
-The benchmark itself is the package next to this file, benchmarks/attention/ (its doc is the --help text):
-cases.py (the cases, their FLOP and byte counts, the suites' lists), impls.py (inputs, flashforge and its
-peers, masks, references, error checks), report.py (rows, table, JSON files, environment), plots.py (charts),
-runner.py (warm-up, check and timing of one case; the timing plan) and cli.py (arguments and main).  Run as a
-script, this file's folder is on sys.path, so the package imports as `attention` from any working directory.
+The benchmark itself is flashforge's benchmark library, flashforge/benchmark/ (shared with the main job,
+`python -m flashforge.bench`); `--help` describes the suites, peers, units and checks.
 """
 import sys
 
-from attention.cli import main
+from flashforge.benchmark.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

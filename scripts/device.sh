@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine (torch and triton already there, nothing installed):
 #   bash scripts/device.sh [pytest args...]
-#   (default: test_gpu.py, and the files whose Triton / cuda cases run on CUDA there: rope, varlen,
-#   kvcache, compile, transformers)
-# FF_PARTS="tests bench" (default) picks the parts: one call of the device tool is limited to
-# 10 minutes, so the first run of a new tree (cold kernel compiles) is best split into
-# FF_PARTS=tests and FF_PARTS=bench.
-# Runs the GPU tests, then `python -m flashforge.bench`; with $OUT set, leaves there
-# junit-gpu.xml, pytest.log, bench.json and bench.log.  Prints the pytest summary and the
-# benchmark's table last.  Exits non-zero if either fails.
+# FF_PARTS picks the parts, which run in this order (default "tests bench"):
+#   tests    the GPU test files (pytest args replace the default list below)   -> junit-gpu.xml, pytest.log
+#   bench    python -m flashforge.bench: self-check, then the grid against FA4 and cuDNN  -> bench.json, bench.log
+#   compare  benchmarks/attention_bench.py --suite compare: ours / max(FA4, cuDNN) on the grid and the
+#            issue-18 feature rows, with the grid's geometric means (FF_COMPARE_DTYPE: bf16, or fp16)
+#            -> compare.log, compare/compare.{json,txt,png}
+# All three leave 8 files under $OUT, as many as the device tool returns.
+# FA4: where its staged packages are ($FF_FA4_SITE, default $HOME/.cache/fa4/site; two device calls
+# stage them, ../shared/tools/fa4/README.md), bench and compare get them on PYTHONPATH (the tests never
+# use FA4); without them FA4's column is "-" and the ratios are to cuDNN alone, as the tables say.
+# Time: the parts share FF_BUDGET seconds (default 500: a 9-minute call with time to stage FA4 and to
+# print); each gets what is left less FF_RESERVE seconds (default 150) for every part after it, at most
+# its cap: FF_TEST_LIMIT (default 300), FF_BENCH_LIMIT (330), FF_COMPARE_LIMIT (360).  FF_TEST_WORKERS=N
+# spreads the tests over N pytest-xdist processes (default: one).
+# Prints the pytest summary, the benchmark tables and one status line per part last; exits non-zero if
+# a part fails or runs out of time.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
@@ -22,56 +30,130 @@ if [ -z "$PY" ]; then
 fi
 OUT_DIR="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT_DIR"
-# time limits keep the whole run within ~8 minutes, so the summary below always prints
-TEST_LIMIT="${FF_TEST_LIMIT:-240}"
-BENCH_LIMIT="${FF_BENCH_LIMIT:-330}"
 PARTS="${FF_PARTS:-tests bench}"
-test_rc=0
-bench_rc=0
-: > "$OUT_DIR/pytest.log"
-: > "$OUT_DIR/bench.log"
-if [ "$PARTS" = tests ]; then TEST_LIMIT="${FF_TEST_LIMIT:-560}"; fi
-if [ "$PARTS" = bench ]; then BENCH_LIMIT="${FF_BENCH_LIMIT:-560}"; fi
+T_END=$((SECONDS + ${FF_BUDGET:-500}))
+RESERVE="${FF_RESERVE:-150}"
+FA4_SITE="${FF_FA4_SITE:-$HOME/.cache/fa4/site}"
+FA4_PATH=""
+[ -d "$FA4_SITE" ] && FA4_PATH="$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:"
+
+# limit PART CAP: the seconds PART may run, printed; 0 when too little is left to be worth starting
+limit() {
+    local later=0 seen=0 p
+    for p in tests bench compare; do
+        [[ " $PARTS " == *" $p "* ]] || continue
+        [ "$seen" = 1 ] && later=$((later + 1))
+        [ "$p" = "$1" ] && seen=1
+    done
+    local lim=$((T_END - SECONDS - RESERVE * later))
+    [ "$lim" -gt "$2" ] && lim="$2"
+    [ "$lim" -lt 60 ] && lim=0
+    echo "$lim"
+}
+declare -A RC=()
 
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO GPU')"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || true
+echo "FA4: ${FA4_PATH:+staged at $FA4_SITE}${FA4_PATH:-not staged ($FA4_SITE missing): its columns will be '-'}"
 
-if [ "$#" -eq 0 ]; then
-    set -- tests/test_gpu.py tests/test_rope.py tests/test_varlen.py tests/test_kvcache.py tests/test_tma.py tests/test_compile.py \
-        tests/test_transformers.py tests/test_attention_torch.py::test_runs_on_cuda_tensors
+if [ "$#" -eq 0 ]; then  # every file with tests that run on CUDA
+    set -- tests/test_gpu.py tests/test_gluon_sm90.py tests/test_rope.py tests/test_varlen.py tests/test_kvcache.py \
+        tests/test_tma.py tests/test_compile.py tests/test_transformers.py tests/test_dispatch.py tests/test_replay.py \
+        tests/test_configs.py tests/test_launch.py tests/test_fused_bwd.py tests/test_poly_exp2.py \
+        tests/test_attention_torch.py::test_runs_on_cuda_tensors
 fi
 if [[ " $PARTS " == *" tests "* ]]; then
-    echo "== pytest $* (limit ${TEST_LIMIT}s)"
+    lim=$(limit tests "${FF_TEST_LIMIT:-300}")
+    workers=()
+    [ -n "${FF_TEST_WORKERS:-}" ] && workers=(-n "$FF_TEST_WORKERS")
+    echo "== pytest ${workers[*]:+${workers[*]} }$* (limit ${lim}s)"
     t0=$SECONDS
-    timeout -k 10 "$TEST_LIMIT" "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT_DIR/junit-gpu.xml" "$@" \
-        > "$OUT_DIR/pytest.log" 2>&1
-    test_rc=$?
-    echo "pytest exit $test_rc after $((SECONDS - t0)) s (log: $OUT_DIR/pytest.log)"
+    if [ "$lim" -gt 0 ]; then
+        timeout -k 10 "$lim" "$PY" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
+            --junitxml="$OUT_DIR/junit-gpu.xml" "$@" > "$OUT_DIR/pytest.log" 2>&1
+        RC[tests]=$?
+    else
+        RC[tests]=skipped
+    fi
+    echo "pytest exit ${RC[tests]} after $((SECONDS - t0)) s (log: $OUT_DIR/pytest.log)"
 fi
 
 if [[ " $PARTS " == *" bench "* ]]; then
-    echo "== python -m flashforge.bench (limit ${BENCH_LIMIT}s)"
+    lim=$(limit bench "${FF_BENCH_LIMIT:-330}")
+    echo "== python -m flashforge.bench (limit ${lim}s)"
     t0=$SECONDS
-    timeout -k 10 "$BENCH_LIMIT" "$PY" -m flashforge.bench --json "$OUT_DIR/bench.json" > "$OUT_DIR/bench.log" 2>&1
-    bench_rc=$?
-    echo "bench exit $bench_rc after $((SECONDS - t0)) s (log: $OUT_DIR/bench.log)"
+    if [ "$lim" -gt 0 ]; then
+        PYTHONPATH="$FA4_PATH$PYTHONPATH" timeout -k 10 "$lim" "$PY" -m flashforge.bench --json "$OUT_DIR/bench.json" \
+            > "$OUT_DIR/bench.log" 2>&1
+        RC[bench]=$?
+    else
+        RC[bench]=skipped
+    fi
+    echo "bench exit ${RC[bench]} after $((SECONDS - t0)) s (log: $OUT_DIR/bench.log)"
 fi
 
-echo
-echo "================ pytest: failures and summary"
-# the short test summary (-ra, from pyproject.toml) down to the closing line, at most 30 lines
-if grep -q "short test summary info" "$OUT_DIR/pytest.log"; then
-    sed -n '/short test summary info/,$p' "$OUT_DIR/pytest.log" | tail -n 30 | cut -c1-240
-else
-    tail -n 1 "$OUT_DIR/pytest.log"
+if [[ " $PARTS " == *" compare "* ]]; then
+    lim=$(limit compare "${FF_COMPARE_LIMIT:-360}")
+    echo "== attention_bench --suite compare (limit ${lim}s)"
+    t0=$SECONDS
+    if [ "$lim" -gt 0 ]; then
+        # stop starting rows 75 s before the limit: one row (FA4's and our compiles, three timings)
+        # takes up to about a minute, and the table is printed after the last
+        stop=$((lim - 75)); [ "$stop" -lt 30 ] && stop=30
+        PYTHONPATH="$FA4_PATH$PYTHONPATH" timeout -k 10 "$lim" "$PY" benchmarks/attention_bench.py --suite compare \
+            --dtype "${FF_COMPARE_DTYPE:-bf16}" --max-seconds "$stop" --out "$OUT_DIR/compare" \
+            > "$OUT_DIR/compare.log" 2>&1
+        RC[compare]=$?
+    else
+        RC[compare]=skipped
+    fi
+    echo "compare exit ${RC[compare]} after $((SECONDS - t0)) s (log: $OUT_DIR/compare.log)"
 fi
-[ "$test_rc" = 124 ] && echo "pytest TIMED OUT after ${TEST_LIMIT}s"
+
+if [ -n "${RC[tests]:-}" ]; then
+    echo
+    echo "================ pytest: failures and summary"
+    # the short test summary (-ra, from pyproject.toml) down to the closing line, at most 30 lines
+    if grep -q "short test summary info" "$OUT_DIR/pytest.log" 2>/dev/null; then
+        sed -n '/short test summary info/,$p' "$OUT_DIR/pytest.log" | tail -n 30 | cut -c1-240
+    else
+        tail -n 1 "$OUT_DIR/pytest.log" 2>/dev/null
+    fi
+fi
+if [ -n "${RC[bench]:-}" ]; then
+    echo
+    echo "================ benchmark (python -m flashforge.bench)"
+    if [ -n "${RC[compare]:-}" ]; then  # the compare table below has these rows too: its means only
+        grep -E '^FAIL|FAIL$|^geomean|^RESULT' "$OUT_DIR/bench.log" 2>/dev/null | cut -c1-240
+    else
+        grep -v ': done (' "$OUT_DIR/bench.log" 2>/dev/null | tail -n 80
+    fi
+fi
+if [ -n "${RC[compare]:-}" ]; then
+    echo
+    echo "================ compare: ours / max(FA4, cuDNN)"
+    if [ -f "$OUT_DIR/compare/compare.txt" ]; then
+        cat "$OUT_DIR/compare/compare.txt"
+    else
+        tail -n 40 "$OUT_DIR/compare.log"
+    fi
+fi
 echo
-echo "================ benchmark"
-grep -v ': done (' "$OUT_DIR/bench.log" | tail -n 80
-[ "$bench_rc" = 124 ] && echo "benchmark TIMED OUT after ${BENCH_LIMIT}s (bench.json holds the rows done)"
-echo
-# the two lines that matter, last, so that a cut output still shows them
-echo "pytest: $(tail -n 1 "$OUT_DIR/pytest.log" | tr -d '=' | sed 's/^ *//') (exit $test_rc)"
-echo "bench:  $(grep '^RESULT' "$OUT_DIR/bench.log" || echo 'no RESULT line') (exit $bench_rc)"
-[ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]
+# the lines that matter, last, so that a cut output still shows them
+status=0
+for p in tests bench compare; do
+    rc="${RC[$p]:-}"
+    [ -z "$rc" ] && continue
+    case "$p" in
+        tests) what="$(tail -n 1 "$OUT_DIR/pytest.log" 2>/dev/null | tr -d '=' | sed 's/^ *//')";;
+        bench) what="$(grep '^RESULT' "$OUT_DIR/bench.log" 2>/dev/null || echo 'no RESULT line')";;
+        compare) what="$(grep '^RESULT' "$OUT_DIR/compare.log" 2>/dev/null || echo 'no RESULT line')";;
+    esac
+    case "$rc" in
+        124|137) what="$what; TIMED OUT";;
+        skipped) what="not run: too little of FF_BUDGET left";;
+    esac
+    printf '%-8s %s (exit %s)\n' "$p:" "$what" "$rc"
+    [ "$rc" = 0 ] || status=1
+done
+exit "$status"

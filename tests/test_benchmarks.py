@@ -1,6 +1,7 @@
-"""CPU tests of benchmarks/attention_bench.py (its package, benchmarks/attention/) and benchmarks/sweep.py:
-the pure parts (FLOP and byte formulas, case lists, rows, table, plots), a few shrunk cases run end to end
-on the CPU, and the scripts' clean exit without CUDA."""
+"""CPU tests of the benchmark library (flashforge/benchmark/), its command line benchmarks/attention_bench.py
+and benchmarks/tune/sweep.py: the pure parts (FLOP and byte formulas, case lists, ratios, rows, tables,
+geometric means, JSON, plots, the CPU timer's stopping rule), FA4's peer through a fake module, a few
+shrunk cases run end to end on the CPU, and the scripts' clean exit without CUDA."""
 import dataclasses
 import importlib.util
 import json
@@ -13,22 +14,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the scripts' folder: benchmarks/attention/ imports as `attention`, as it does for the scripts run there
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from flashforge.benchmark import fa4
+from flashforge.benchmark.cases import Case
+from flashforge.benchmark.checks import finite_check, rel_errors
+from flashforge.benchmark.cli import main
+from flashforge.benchmark.flex import band_mod, doc_mod
+from flashforge.benchmark.flops import case_bytes, case_flops, row_unit, throughput
+from flashforge.benchmark.inputs import band_mask
+from flashforge.benchmark.plots import plot_rows
+from flashforge.benchmark.report import (format_geomeans, format_graph_table, format_table, grid_geomeans, make_row,
+                                         ratios, write_json)
+from flashforge.benchmark.runner import Runner
+from flashforge.benchmark.suites import (ALL_ORDER, DECODE_CACHE_LIMIT, SUITES, build_cases, compare_cases,
+                                         decode_cases, feature_cases, grid_cases, headdim_cases, memory_cases,
+                                         parse_suites, shrink, trim_flex, varlen_cases, varlen_lengths)
+from flashforge.benchmark.timing import Timing, count_timed, timing_plan
 
-from attention.cases import (ALL_ORDER, DECODE_CACHE_LIMIT, SUITES, Case, build_cases, case_bytes,  # noqa: E402
-                             case_flops, decode_cases, feature_cases, grid_cases, headdim_cases, memory_cases,
-                             parse_suites, shrink, throughput, trim_flex, varlen_cases, varlen_lengths)
-from attention.cli import main  # noqa: E402
-from attention.impls import band_mask, band_mod, doc_mod, finite_check, rel_errors  # noqa: E402
-from attention.plots import plot_rows  # noqa: E402
-from attention.report import format_table, make_row, ratios  # noqa: E402
-from attention.runner import Runner, count_timed, timing_plan  # noqa: E402
+from fake_fa4 import fake_fa4_module
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", "tune", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
@@ -72,6 +80,10 @@ def test_decode_bytes_and_units():
     assert throughput(_case(), 2.0) == pytest.approx(case_flops(_case()) / 2e-3 / 1e12)
     assert throughput(_case(), None) is None
     assert memory_cases()[0].unit == "GiB"
+    # a CPU counts GFLOP/s (bytes stay GB/s)
+    assert row_unit(_case(), "cpu") == "GFLOP/s" and row_unit(_case(), "cuda") == "TFLOP/s"
+    assert row_unit(c, "cpu") == "GB/s"
+    assert throughput(_case(), 2.0, "GFLOP/s") == pytest.approx(1e3 * throughput(_case(), 2.0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +98,30 @@ def test_standard_grid():
                                                            for c in (False, True)}
         for c in cases:
             assert c.B * c.Sq == 16384 and c.Hq * c.D == 2048 and c.Hq == c.Hkv and c.Sq == c.Sk
-            assert c.mode == mode and c.suite == mode
+            assert c.mode == mode and c.suite == mode and c.grid
+            assert c.peers[:2] == ("fa4", "cudnn")
+
+
+def test_compare_suite():
+    """The FA4 / cuDNN table: the 24 grid rows first (a run cut short still has the geomeans), then GQA 32/8
+    S = 4k causal, a causal window of 1023 at S = 16k, D = 256 (H = 8) at 4k and 16k, causal or not."""
+    cases = compare_cases()
+    assert len(cases) == 24 + 2 + 2 + 8
+    assert all(c.peers == ("fa4", "cudnn") and c.suite == "compare" and c.dtype == "bfloat16" for c in cases)
+    assert [c.grid for c in cases] == [True] * 24 + [False] * 12
+    assert [c.mode for c in cases[:24]] == ["fwd"] * 12 + ["fwdbwd"] * 12
+    gqa, win, d256 = cases[24:26], cases[26:28], cases[28:]
+    assert all((c.B, c.Sq, c.Hq, c.Hkv, c.D, c.causal) == (4, 4096, 32, 8, 128, True) for c in gqa)
+    assert all((c.B, c.Sq, c.Hq, c.D, c.causal, c.window) == (1, 16384, 16, 128, True, 1023) for c in win)
+    assert {(c.Sq, c.B, c.causal, c.mode) for c in d256} == {(s, 16384 // s, causal, m) for s in (4096, 16384)
+                                                             for causal in (False, True) for m in ("fwd", "fwdbwd")}
+    assert all(c.D == 256 and c.Hq == c.Hkv == 8 for c in d256)
+    # PERF.md's counts: the window on its band, 4 * B * H * S * 1024 * D; D = 256 causal halved
+    assert case_flops(win[0]) == 4.0 * 16 * 16384 * 1024 * 128 and case_flops(win[1]) == 3.5 * case_flops(win[0])
+    causal16k = next(c for c in d256 if c.Sq == 16384 and c.causal and c.mode == "fwd")
+    assert case_flops(causal16k) == 4.0 * 8 * 16384 * 16384 * 256 / 2
+    assert len({(c.label, c.mode) for c in cases}) == len(cases)
+    assert {c.dtype for c in compare_cases("float16")} == {"float16"}
 
 
 def test_other_suites():
@@ -96,6 +131,9 @@ def test_other_suites():
     assert {(c.Hq, c.Hkv, c.causal) for c in gqa} == {(32, 8, True)}
     assert any(c.dropout == 0.1 and c.bias and c.mode == "fwdbwd" for c in feats)
     assert any(c.bias_grad for c in feats) and any(c.deterministic for c in feats)
+    # FA4 where it can take the row: no bias, no dropout, no deterministic comparison
+    assert all(("fa4" in c.peers) == (not c.bias and not c.deterministic) for c in feats)
+    assert all(fa4.unsupported(c) is None for c in feats if "fa4" in c.peers)
     win = [c for c in feats if c.window is not None]
     assert win and all(c.window == 1023 and c.causal and "flash" not in c.peers for c in win)
     pre = [c for c in feats if c.offset]
@@ -121,15 +159,17 @@ def test_other_suites():
     assert len(hd) == 10 and {c.D for c in hd} == {32, 96, 256, 64, 128}
     assert {c.D for c in hd if c.dtype == "float32"} == {64, 128}
     assert len(headdim_cases("float32")) == 6
+    assert all(("fa4" in c.peers) == (c.dtype != "float32") for c in hd)
 
 
 def test_parse_suites():
     assert parse_suites("all") == list(ALL_ORDER)
-    assert sorted(ALL_ORDER) == sorted(SUITES)
+    assert sorted(ALL_ORDER) == sorted(set(SUITES) - {"compare"})  # compare repeats rows of the others
+    assert parse_suites("compare") == ["compare"]
     assert parse_suites("fwd, decode") == ["fwd", "decode"]
     with pytest.raises(ValueError, match="unknown suite"):
         parse_suites("fwd,nope")
-    assert count_timed(decode_cases()) == 11 * 5
+    assert count_timed(decode_cases()) == 11 * 6  # ours, paged, fa4, cudnn, flash, flex
 
 
 def test_trim_flex_for_all():
@@ -154,11 +194,23 @@ def test_timing_plan():
 
 
 def test_ratios():
-    assert ratios(300.0, {"cudnn": 600.0, "flex": 400.0}, "TFLOP/s") == (0.5, 0.5, "cudnn")
-    assert ratios(300.0, {"cudnn": None, "flash": 200.0, "flex": 400.0}, "TFLOP/s") == (None, 0.75, "flex")
-    assert ratios(2.0, {"cudnn": None, "flash": 4.0, "x": 8.0}, "GiB") == (None, 0.5, "flash")
-    assert ratios(None, {"cudnn": 1.0}, "TFLOP/s") == (None, None, None)
-    assert ratios(1.0, {"cudnn": None}, "TFLOP/s") == (None, None, None)
+    # ours / the faster of FA4 and cuDNN, whichever it is; both kept
+    r = ratios(300.0, {"fa4": 600.0, "cudnn": 500.0, "flex": 900.0}, "TFLOP/s")
+    assert r == {"ratio": 0.5, "ratio_to": "fa4", "ratio_fa4": 0.5, "ratio_cudnn": 0.6}
+    assert ratios(300.0, {"fa4": 400.0, "cudnn": 600.0}, "TFLOP/s")["ratio_to"] == "cudnn"
+    # FA4 missing (None: not importable, or it refused the case): cuDNN alone
+    r = ratios(300.0, {"fa4": None, "cudnn": 600.0, "flex": 400.0}, "TFLOP/s")
+    assert r == {"ratio": 0.5, "ratio_to": "cudnn", "ratio_fa4": None, "ratio_cudnn": 0.5}
+    # neither: the best peer that ran (the CPU's SDPA, or the varlen peers)
+    r = ratios(300.0, {"cudnn": None, "flash": 200.0, "flex": 400.0}, "TFLOP/s")
+    assert (r["ratio"], r["ratio_to"], r["ratio_cudnn"]) == (0.75, "flex", None)
+    assert ratios(30.0, {"sdpa": 40.0}, "GFLOP/s")["ratio"] == 0.75
+    # memory: the best is the least
+    assert ratios(2.0, {"fa4": 8.0, "cudnn": 4.0}, "GiB")["ratio"] == 0.5
+    assert ratios(2.0, {"cudnn": None, "flash": 4.0, "x": 8.0}, "GiB")["ratio_to"] == "flash"
+    assert ratios(None, {"cudnn": 1.0}, "TFLOP/s") == {"ratio": None, "ratio_to": None, "ratio_fa4": None,
+                                                       "ratio_cudnn": None}
+    assert ratios(1.0, {"cudnn": None, "fa4": None}, "TFLOP/s")["ratio"] is None
 
 
 def _fake_rows():
@@ -194,6 +246,71 @@ def test_row_json_and_table():
     assert "FAIL" in feats and "notes:" in feats and "differs from cudnn" in feats
     assert "flash" in feats.splitlines()[3] or "flex" in feats  # ratio to the best peer is named
     assert format_table([]) == ""
+
+
+def _grid_row(c, ours, fa4_v, cudnn_v, **kw):
+    return make_row(c, ours, {"fa4": fa4_v, "cudnn": cudnn_v}, ok=True, **kw)
+
+
+def test_table_ratio_to_the_faster_yardstick_and_fa4_missing():
+    c = grid_cases("fwd")[0]
+    faster = format_table([_grid_row(c, 300.0, 600.0, 500.0)], "t")
+    assert "0.50 fa4" in faster and "FA4 not available" not in faster
+    # FA4 could not be imported: its column is "-", the ratio is to cuDNN, and the table says so
+    missing = format_table([_grid_row(c, 300.0, None, 500.0)], "t", fa4_error="ModuleNotFoundError: flash_attn")
+    lines = missing.splitlines()
+    assert lines[1] == ("FA4 not available (ModuleNotFoundError: flash_attn): its column is '-' and ours/best is "
+                        "ours / cuDNN")
+    head, row = lines[2].split(), lines[4].split()
+    assert head[3:5] == ["fa4", "cudnn"] and row[3:8] == ["300", "-", "500", "0.60", "cudnn"]
+    # a table whose rows never ask for FA4 does not mention it
+    cpu = Case("cpu", "fwd", 1, 512, 512, 8, 8, 64, "float32", peers=("sdpa",))
+    text = format_table([make_row(cpu, 30.0, {"sdpa": 40.0}, ok=True, unit="GFLOP/s")], "cpu", fa4_error="x")
+    assert "FA4 not available" not in text and "0.75 sdpa" in text
+    assert text.splitlines()[0] == "== cpu (GFLOP/s; ours/best = ours / the peer named) =="
+
+
+def test_grid_geomeans():
+    rows = []
+    for i, c in enumerate(grid_cases("fwd") + grid_cases("fwdbwd")):
+        # fwd: ours at 0.5x FA4 in half the rows and 0.8x in the rest; FA4 missing in two fwd+bwd rows
+        fa4_v = None if c.mode == "fwdbwd" and i % 6 == 0 else 100.0
+        rows.append(_grid_row(c, 50.0 if i % 2 else 80.0, fa4_v, 80.0))
+    rows.append(_grid_row(feature_cases()[0], 1.0, 100.0, 100.0))  # not a grid row: left out
+    rows.append(make_row(grid_cases("fwd")[0], None, {"fa4": None, "cudnn": None}, ok=True,
+                         extra={"skipped": True}))  # skipped: left out
+    g = grid_geomeans(rows)
+    assert g["fwd"]["rows"] == 12 and g["fwd"]["ratio_rows"] == 12
+    assert g["fwd"]["ratio"] == pytest.approx(math.sqrt(0.5 * 0.8))
+    assert g["fwd"]["ratio_cudnn"] == pytest.approx(math.sqrt(0.625 * 1.0))
+    # where FA4 is missing the row's best is cuDNN; ours/FA4 is over the rows that have FA4
+    assert g["fwd+bwd"]["ratio_fa4_rows"] == 10 and g["fwd+bwd"]["ratio_rows"] == 12
+    text = format_geomeans(rows)
+    assert text.splitlines()[0].startswith("geomean over the 12 standard-grid rows, fwd: ours/best 0.632 (12 rows)")
+    assert "ours/FA4" in text and len(text.splitlines()) == 2
+    assert format_geomeans(rows[-2:-1]) == "" and grid_geomeans([]) == {}
+
+
+def test_json_round_trip(tmp_path):
+    rows = _fake_rows()
+    rows[0]["check"] = {"ours": {"o": math.inf, "dq": 1e-3}}
+    path = tmp_path / "sub" / "r.json"
+    write_json(str(path), {"environment": {"fa4": {"available": False, "error": "x"}}, "rows": rows})
+    back = json.loads(path.read_text())  # strict JSON: no Infinity
+    assert back["rows"][0]["check"]["ours"] == {"o": "inf", "dq": 1e-3}
+    assert [r["ratio"] for r in back["rows"]] == [r["ratio"] for r in rows]
+    assert back["rows"][1]["case"] == json.loads(json.dumps(rows[1]["case"]))
+    assert not (tmp_path / "sub" / "r.json.tmp").exists()
+
+
+def test_cpu_timing_stops_by_count_budget_or_cap():
+    t = Timing(cpu_budget_s=0.5, cpu_min_runs=3, cpu_cap_s=1.5, cpu_max_runs=10)
+    assert t.more_runs([], True)                      # always one run
+    assert t.more_runs([10.0, 10.0], True)            # fewer than the minimum of short runs
+    assert not t.more_runs([10.0] * 3, True)          # the minimum, budget spent
+    assert t.more_runs([10.0] * 3, False) and not t.more_runs([10.0] * 10, False)
+    assert not t.more_runs([1600.0], False)           # one run of seconds is enough
+    assert t.more_runs([700.0], False) and not t.more_runs([700.0, 900.0], False)
 
 
 def test_plots(tmp_path):
@@ -282,6 +399,101 @@ def test_main_cpu_smoke_writes_json(tmp_path, capsys):
     assert "== fwd" in out and out.rstrip().splitlines()[-1].startswith("RESULT: ok")
 
 
+def test_runner_sets_threads_per_case(monkeypatch):
+    """A case with threads runs (and is timed) on that many, and torch's setting comes back after."""
+    seen = []
+    real = Timing.cpu_ms
+
+    def spy(self, fn, grad_to_none=None):
+        seen.append(torch.get_num_threads())
+        return real(self, fn, grad_to_none)
+    monkeypatch.setattr(Timing, "cpu_ms", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        case = Case("cpu", "fwd", 1, 32, 32, 2, 2, 16, "float32", peers=("sdpa",), threads=1)
+        rows = Runner(torch.device("cpu")).run_case(case)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 1] and rows[0]["ok"] and rows[0]["unit"] == "GFLOP/s"
+    assert rows[0]["case"]["threads"] == 1 and rows[0]["name"].endswith("fp32 1 thread")
+    assert rows[0]["ratio_to"] == "sdpa" and rows[0]["check"]["ref"] == "math"
+
+
+# ---------------------------------------------------------------------------------------------
+# FA4: a fake module stands in for flash_attn.cute (the real one needs an sm90 GPU)
+
+
+@pytest.fixture
+def fresh_fa4():
+    fa4.load.cache_clear()  # the import is cached per process
+    yield
+    fa4.load.cache_clear()
+
+
+@pytest.mark.parametrize("pick", [
+    lambda: compare_cases()[1],                                       # grid, causal, fwd
+    lambda: compare_cases()[13],                                      # grid, causal, fwd+bwd
+    lambda: compare_cases()[25],                                      # GQA 32/8 causal, fwd+bwd
+    lambda: compare_cases()[27],                                      # causal window, fwd+bwd
+    lambda: next(c for c in feature_cases() if c.offset),             # prefill: offset Sk - Sq
+    lambda: next(c for c in varlen_cases() if c.causal and c.backward),
+    lambda: decode_cases()[0],
+], ids=["grid-fwd", "grid-fwdbwd", "gqa", "window", "prefill", "varlen", "decode"])
+def test_fa4_peer_through_a_fake_module(pick, monkeypatch, fresh_fa4):
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake_fa4_module(calls))
+    case = shrink(pick())
+    rows = Runner(torch.device("cpu"), flex_compiled=False, skip=("flex",)).run_case(case)
+    assert calls and calls[0][1] == (case.causal and case.mode != "decode")
+    if case.window is not None:
+        assert calls[0][2] == (case.window, 0)
+    for r in rows:
+        assert r["ok"], r
+        assert r["peers"]["fa4"] > 0 and r["ratio_fa4"] == pytest.approx(r["ours"] / r["peers"]["fa4"])
+        # FA4 ran on the same problem: its output (and gradients) match the same reference as ours
+        assert max(r["check"]["peers"]["fa4"].values()) < 2e-2, r["check"]
+        if "cudnn" in r["peers"] and r["peers"]["cudnn"] is None:  # cuDNN cannot run on the CPU
+            assert r["ratio_to"] == "fa4"
+
+
+def test_fa4_missing_leaves_a_dash_and_the_reason(monkeypatch, fresh_fa4):
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # import raises ImportError
+    assert fa4.status() == {"available": False,
+                            "error": "ModuleNotFoundError: import of flash_attn.cute halted; None in sys.modules"}
+    case = shrink(compare_cases()[0])
+    r = Runner(torch.device("cpu")).run_case(case)[0]
+    assert r["ok"] and r["peers"]["fa4"] is None and "FA4 not importable" in r["peer_errors"]["fa4"]
+
+
+def test_fa4_says_what_it_cannot_take():
+    c = compare_cases()[0]
+    assert fa4.unsupported(c) is None
+    assert "float32" in fa4.unsupported(dataclasses.replace(c, dtype="float32"))
+    assert "bias" in fa4.unsupported(dataclasses.replace(c, bias=True))
+    assert "dropout" in fa4.unsupported(dataclasses.replace(c, dropout=0.1))
+    assert "bottom-right" in fa4.unsupported(dataclasses.replace(c, Sq=100, Sk=300, causal=True, offset=7))
+    assert fa4.unsupported(dataclasses.replace(c, Sq=100, Sk=300, causal=True, offset=200)) is None
+    assert "head dims" in fa4.unsupported(dataclasses.replace(c, D=260))
+    with pytest.raises(NotImplementedError, match="bias"):
+        fa4.fa4_impl(dataclasses.replace(c, bias=True), None)
+
+
+def test_compare_suite_cpu_smoke_prints_fa4_and_geomeans(tmp_path, capsys, monkeypatch, fresh_fa4):
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake_fa4_module([]))
+    rc = main(["--suite", "compare", "--filter", "D=64 S=1k", "--cpu-smoke", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert len(report["rows"]) == 4 and all(r["peers"]["fa4"] for r in report["rows"])
+    assert report["environment"]["fa4"]["available"] is True
+    assert set(report["grid_geomeans"]["compare"]) == {"fwd", "fwd+bwd"}
+    text = (tmp_path / "compare.txt").read_text()
+    assert "geomean over the 2 standard-grid rows, fwd: ours/best" in text and "fa4" in text.splitlines()[1]
+    assert out.rstrip().splitlines()[-1].startswith("RESULT: ok")
+
+
 # ---------------------------------------------------------------------------------------------
 # no CUDA: a clear message, no traceback
 
@@ -356,9 +568,9 @@ def test_sweep_kind_ranks_correct_configs_only():
 
 @pytest.mark.parametrize("n_k, n_v", [(3 * 8192 + 5, 2 * 4096 + 1), (1000, 70000)])
 def test_read_floor_reads_every_element_once(n_k, n_v):
-    """The decode table's floor kernel (benchmarks/attention/read_floor.py) sums each of k's
+    """The decode table's floor kernel (flashforge/benchmark/read_floor.py) sums each of k's
     and v's elements exactly once, for every program shape it is timed with (interpreter)."""
-    from attention import read_floor
+    from flashforge.benchmark import read_floor
     k = torch.randn(n_k, dtype=torch.bfloat16)
     v = torch.randn(n_v, dtype=torch.bfloat16)
     want = k.double().sum() + v.double().sum()
@@ -370,7 +582,6 @@ def test_read_floor_reads_every_element_once(n_k, n_v):
 
 
 def test_graph_table_shows_the_read_floor_and_ratio():
-    from attention.report import format_graph_table
     case = decode_cases()[0]
     row = make_row(case, 300.0, {"cudnn": 500.0}, ok=True, layout="contiguous",
                    extra={"cudagraph_gbps": {"ours": 1200.0, "cudnn": 1300.0, "read": 2400.0}})

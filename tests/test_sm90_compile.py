@@ -1,7 +1,7 @@
 """The Triton kernels compile for sm_90 (H100/H200) on any machine.
 
 The interpreter runs the kernels as numpy code and accepts some programs that
-the GPU compiler rejects; scripts/sm90_compile_check.py compiles every kernel
+the GPU compiler rejects; tools/sm90_compile_check.py compiles every kernel
 variant the launchers produce with Triton's own compiler and ptxas, no GPU
 needed.  It runs in a subprocess: kernels decorated under TRITON_INTERPRET=1
 (as in this test session) cannot be compiled."""
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_kernel_variant_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "sm90_compile_check.py")], env=env,
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "sm90_compile_check.py")], env=env,
                          capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.rstrip().endswith("0 failed"), run.stdout[-2000:]
@@ -31,7 +31,7 @@ def test_table_for_other_gpus_fits_their_shared_memory():
     tile table; the sm_90 table's wide tiles would not launch there."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "sm90_compile_check.py"), "--quick",
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "sm90_compile_check.py"), "--quick",
                           "--arch", "80,89"], env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.rstrip().endswith("0 failed"), run.stdout[-2000:]

@@ -1,7 +1,7 @@
 """Host-side cost of one call, split into our Python and Triton's launches (GPU).
 A diagnostic: each kernel's launch is replaced by a no-op in turn.
 
-    PYTHONPATH=. python scripts/host_overhead.py
+    PYTHONPATH=. python benchmarks/profile/host_overhead.py
 """
 import sys
 

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One device call that tunes the tile table for the GPU it runs on:
-#   1. tile sweeps (benchmarks/sweep.py --quick) at D = 128 and 64, forward and backward,
+#   1. tile sweeps (benchmarks/tune/sweep.py --quick) at D = 128 and 64, forward and backward,
 #      merging each kind's winner into $OUT/tiles.json,
 #   2. the GPU tests (pytest-xdist when present: compiling dominates a cold run),
 #   3. the fwd / fwd+bwd grid against cuDNN with those tiles (FLASHFORGE_TILE_CONFIGS).
 # Every step has a time limit so that the whole call stays under ~9.5 minutes and the
 # summary prints.  FF_TUNE_BUDGET (seconds, default 560) sets the total; FF_SWEEPS ("128:fwd 64:bwd"
-# ...), FF_BENCH_SUITES (default fwd,fwdbwd) and FF_BENCH_SKIP (default flex,flash,efficient:
+# ...), FF_BENCH_SUITES (default fwd,fwdbwd) and FF_BENCH_SKIP (default fa4,flex,flash,efficient:
 # cuDNN only, the fastest to run; set it empty for every peer) pick the work.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
@@ -43,7 +43,7 @@ for spec in ${FF_SWEEPS-"128:fwd" "128:bwd" "64:fwd" "64:bwd"}; do
     # only the 4k sweeps (the grid's middle, where the table is tuned) write the tile file
     # (FF_NO_TILES=1: none does, and the benchmark runs the committed table)
     [ "${sl:-4096}" = 4096 ] && [ -z "${FF_NO_TILES:-}" ] && args+=(--write-configs "$TILES")
-    timeout -k 5 "$lim" "$PY" benchmarks/sweep.py "${args[@]}" --out "$OUT_DIR" \
+    timeout -k 5 "$lim" "$PY" benchmarks/tune/sweep.py "${args[@]}" --out "$OUT_DIR" \
         --max-seconds $((lim - 45)) --warmup 10 --rep 40 \
         > "$log" 2>&1
     echo "sweep exit $? ($(grep -c 'TFLOP/s' "$log") timed)"
@@ -67,7 +67,7 @@ fi
 lim=$(( $(left) - 5 ))
 echo "== bench ${FF_BENCH_SUITES:-fwd,fwdbwd} with the tuned tiles (limit ${lim}s)"
 [ -f "$TILES" ] && export FLASHFORGE_TILE_CONFIGS="$TILES"
-timeout -k 5 "$lim" "$PY" benchmarks/attention_bench.py --suite "${FF_BENCH_SUITES:-fwd,fwdbwd}" --skip "${FF_BENCH_SKIP-flex,flash,efficient}" \
+timeout -k 5 "$lim" "$PY" benchmarks/attention_bench.py --suite "${FF_BENCH_SUITES:-fwd,fwdbwd}" --skip "${FF_BENCH_SKIP-fa4,flex,flash,efficient}" \
     --out "$OUT_DIR/bench" --max-seconds $((lim - 30)) > "$OUT_DIR/bench.log" 2>&1
 echo "bench exit $?"
 

@@ -2,7 +2,7 @@
 kernels' own time from the profiler, for contiguous and paged caches and several
 split-KV factors.  A diagnostic for benchmarks/RESULTS.md, not a benchmark.
 
-    PYTHONPATH=. python scripts/decode_profile.py [--shapes 1:4096,1:32768,...] [--splits auto,1,8,32]
+    PYTHONPATH=. python benchmarks/profile/decode_profile.py [--shapes 1:4096,1:32768,...] [--splits auto,1,8,32]
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Decoding tiles and split counts, timed in CUDA graphs (GPU): the sweep behind the table's
 "fwd_decode" entry and `auto_splits` (benchmarks/RESULTS.md v0.7.2).  A diagnostic, not a benchmark.
 
-    PYTHONPATH=. python scripts/decode_sweep.py [--max-seconds 380] [--out DIR]
+    PYTHONPATH=. python benchmarks/tune/decode_sweep.py [--max-seconds 380] [--out DIR]
 
 For each KV-cache shape (bf16, GQA 32/8, D = 128, one query) it times cuDNN, the table's own
-choice, a kernel that only reads the same K and V bytes (the floor: benchmarks/attention/
+choice, a kernel that only reads the same K and V bytes (the floor: flashforge/benchmark/
 read_floor.py), and each candidate TileConfig x split count, set through
 `set_config("fwd_causal", 128, 2, ...)` (an override beats the "fwd_decode" entry).  Every
 candidate's output is compared with the table's (relative error < 2e-2, else "wrong").  Each
@@ -43,9 +43,8 @@ def main(argv=None) -> int:
     import flashforge
     from flashforge.ops import replay
     from flashforge.ops.triton.configs import TileConfig, set_config
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    from attention.read_floor import readers
-    from attention.runner import graph_ms
+    from flashforge.benchmark.read_floor import readers
+    from flashforge.benchmark.timing import graph_ms
 
     t0, dev = time.time(), torch.device("cuda")
 

@@ -4,7 +4,7 @@ the GPU is held busy, so launches only queue).  A diagnostic for the S = 1k grid
 whose kernels run for 50-400 us: when the host needs longer than the GPU, eager timing
 measures the host.
 
-    PYTHONPATH=. python scripts/short_calls.py [--seqlen 1024] [--dtype bf16]
+    PYTHONPATH=. python benchmarks/profile/short_calls.py [--seqlen 1024] [--dtype bf16]
 """
 import argparse
 import time

@@ -5,7 +5,7 @@
 # $FF_FWD64, $FF_BWD128 (sweep.py --configs syntax).  Leaves sweep_*.json and logs in one
 # archive under $OUT.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 OUT_DIR="${OUT:-$(mktemp -d)}"; mkdir -p "$OUT_DIR/grid"
@@ -19,7 +19,7 @@ fi
 run() {  # D S causal pass configs
     local c=""; [ "$3" = yes ] && c="--causal"
     local jobs=1; [ "$2" = 1024 ] && jobs=6
-    timeout 100 python3 benchmarks/sweep.py --head-dim "$1" --seqlen "$2" $c --pass "$4" --configs "$5" \
+    timeout 100 python3 benchmarks/tune/sweep.py --head-dim "$1" --seqlen "$2" $c --pass "$4" --configs "$5" \
         --jobs $jobs --warmup 10 --rep 40 --out "$OUT_DIR/grid" > "$OUT_DIR/grid/D$1_S$2_$3_$4.log" 2>&1
     echo "D=$1 S=$2 causal=$3 $4: exit $?"
     grep -E '^ +(fwd|bwd_kv|bwd_q) .*TFLOP/s' "$OUT_DIR/grid/D$1_S$2_$3_$4.log" | sed 's/^ */    /'

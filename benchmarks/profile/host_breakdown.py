@@ -7,7 +7,7 @@ descriptor's encoding; and the autograd engine's cost for a Python `autograd.Fun
 against a built-in op.  Each is host microseconds per call, timed while the GPU is held busy
 so that launches only queue.
 
-    PYTHONPATH=. python scripts/host_breakdown.py
+    PYTHONPATH=. python benchmarks/profile/host_breakdown.py
 """
 import gc
 import time

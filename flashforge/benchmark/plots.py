@@ -7,7 +7,7 @@ import os
 from typing import Optional, Sequence
 
 from .cases import fmt_len
-from .report import SHORT, _short_error, peer_columns
+from .report import SHORT, peer_columns, short_error
 
 
 def _impl_series(rows: Sequence[dict]) -> list:
@@ -130,21 +130,22 @@ def _plot_ratios(plt, rows, title):
     rows = [r for r in rows if r["ratio"] is not None]
     fig, ax = plt.subplots(figsize=(9, max(3, 0.22 * len(rows) + 1)))
     ys = range(len(rows))
-    colors = ["tab:blue" if r["ratio_to"] == "cudnn" else "tab:orange" for r in rows]
+    colors = [{"fa4": "tab:green", "cudnn": "tab:blue"}.get(r["ratio_to"], "tab:orange") for r in rows]
     ax.barh(list(ys), [r["ratio"] for r in rows], color=colors)
     ax.set_yticks(list(ys))
-    ax.set_yticklabels([f"{r['suite']}: {r['name']} {r['pass']}" +
-                        ("" if r["ratio_to"] == "cudnn" else f" (vs {r['ratio_to']})") for r in rows], fontsize=6)
+    ax.set_yticklabels([f"{r['suite']}: {r['name']} {r['pass']} (vs {SHORT.get(r['ratio_to'], r['ratio_to'])})"
+                        for r in rows], fontsize=6)
     ax.axvline(1.0, color="k", linewidth=0.8)
     ax.invert_yaxis()
-    ax.set_xlabel("ours / cuDNN (blue), ours / best peer (orange); GiB rows: lower is better")
+    ax.set_xlabel("ours / the faster of FA4 (green) and cuDNN (blue), else / the best peer (orange); "
+                  "GiB rows: lower is better")
     ax.set_title(title)
     fig.tight_layout()
     return fig
 
 
-def _safe_plot(rows, path, title) -> Optional[str]:
+def safe_plot(rows, path, title) -> Optional[str]:
     try:
         return plot_rows(rows, path, title)
     except Exception as e:  # a plot must never cost the numbers
-        return _short_error(e)
+        return short_error(e)

@@ -1,126 +1,33 @@
-"""The benchmark's cases (pure, no device): Case, the FLOPs and bytes a case is credited with (PERF.md's
-convention, described in the package doc), the suites' case lists, and what picks and shrinks them."""
+"""The suites' case lists (attention_bench's --suite), the main job's rows, and what picks and shrinks them.
+Pure: no device."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from .cases import STANDARD_PEERS, Case
+from .flops import case_bytes
 
-SUITES = ("fwd", "fwdbwd", "features", "decode", "varlen", "memory", "headdims")
-# `all` runs the suites cheapest first, so that a run cut short has the most rows.
+SUITES = ("fwd", "fwdbwd", "features", "decode", "varlen", "memory", "headdims", "compare")
+# `all` runs the suites cheapest first, so that a run cut short has the most rows; `compare` repeats
+# rows of fwd, fwdbwd and headdims, so it is not part of it
 ALL_ORDER = ("memory", "fwd", "decode", "varlen", "headdims", "fwdbwd", "features")
-STANDARD_PEERS = ("cudnn", "flash", "efficient", "flex")
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "half": "float16", "fp32": "float32", "float32": "float32"}
-ELEM_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-3}
 TOKENS = 16384        # PERF.md's grid: 16k tokens per batch
 HIDDEN = 2048         # H * D
 DECODE_CACHE_LIMIT = 20e9   # bytes of K + V; bigger decode combinations are skipped
+# the yardsticks: the faster of the two is what every ratio is taken against
+YARDSTICK_PEERS = ("fa4", "cudnn")
+NO_FA4 = tuple(p for p in STANDARD_PEERS if p != "fa4")   # rows FA4 cannot take (a bias, dropout, float32)
 
 
-def fmt_len(n: int) -> str:
-    """1024 -> '1k', 131072 -> '128k', 1000 -> '1000'."""
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
-
-
-@dataclass(frozen=True)
-class Case:
-    suite: str
-    mode: str                    # "fwd", "fwdbwd", "decode" (forward, bytes) or "memory" (fwd+bwd, GiB)
-    B: int
-    Sq: int
-    Sk: int
-    Hq: int
-    Hkv: int
-    D: int
-    dtype: str = "bfloat16"
-    causal: bool = False
-    offset: int = 0              # causal offset: query i sits at position i + offset
-    window: Optional[int] = None  # causal sliding window: keys i+offset-window .. i+offset
-    bias: bool = False           # additive float bias [B, 1, Sq, Sk]
-    bias_grad: bool = False      # ... that requires grad (its gradient is checked too)
-    dropout: float = 0.0
-    deterministic: bool = False
-    seqlens: Optional[tuple] = None   # varlen: lengths of the packed sequences (B of them)
-    peers: tuple = STANDARD_PEERS
-    name: str = ""
-
-    @property
-    def label(self) -> str:
-        if self.name:
-            return self.name
-        if self.seqlens:
-            shape = f"D={self.D} {len(self.seqlens)} seqs {fmt_len(sum(self.seqlens))} tok"
-        elif self.mode == "decode":
-            shape = f"B={self.B} cache={fmt_len(self.Sk)}"
-        else:
-            s = fmt_len(self.Sq) if self.Sq == self.Sk else f"{fmt_len(self.Sq)}/{fmt_len(self.Sk)}"
-            shape = f"D={self.D} S={s}"
-        if self.Hq != self.Hkv:
-            shape += f" GQA {self.Hq}/{self.Hkv}"
-        return shape + (" causal" if self.causal and self.mode != "decode" else "") + \
-            (" fp32" if self.dtype == "float32" else "")
-
-    @property
-    def pass_label(self) -> str:
-        return {"fwd": "fwd", "fwdbwd": "fwd+bwd", "decode": "decode", "memory": "fwd+bwd"}[self.mode]
-
-    @property
-    def backward(self) -> bool:
-        return self.mode in ("fwdbwd", "memory")
-
-    @property
-    def unit(self) -> str:
-        return {"decode": "GB/s", "memory": "GiB"}.get(self.mode, "TFLOP/s")
-
-    def describe(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["seqlens"] = list(self.seqlens) if self.seqlens else None
-        d["peers"] = list(self.peers)
-        d["label"] = self.label
-        return d
-
-
-def visible_pairs(Sq: int, Sk: int, causal: bool = False, offset: int = 0, window: Optional[int] = None) -> float:
-    """(query, key) pairs a kernel is credited with, PERF.md's convention (see the package doc)."""
-    if window is not None:
-        return float(Sq) * (window + 1)
-    if causal:
-        return float(Sq) * offset + Sq * Sq / 2.0
-    return float(Sq) * Sk
-
-
-def case_flops(case: Case) -> float:
-    if case.seqlens:
-        pairs = sum(visible_pairs(n, n, case.causal, 0, case.window) for n in case.seqlens)
-    else:
-        pairs = case.B * visible_pairs(case.Sq, case.Sk, case.causal, case.offset, case.window)
-    flops = 4.0 * case.Hq * case.D * pairs
-    return flops * 3.5 if case.backward else flops
-
-
-def case_bytes(case: Case) -> float:
-    """K and V read once (decode): 2 * B * Sk * Hkv * D * bytes per element."""
-    return 2.0 * case.B * case.Sk * case.Hkv * case.D * ELEM_SIZE[case.dtype]
-
-
-def throughput(case: Case, ms: Optional[float]) -> Optional[float]:
-    """TFLOP/s (or GB/s for decode) of a run of `ms` milliseconds."""
-    if ms is None or not ms > 0:
-        return None
-    if case.mode == "decode":
-        return case_bytes(case) / (ms * 1e-3) / 1e9
-    return case_flops(case) / (ms * 1e-3) / 1e12
-
-
-def grid_cases(mode: str, dtype: str = "bfloat16") -> list:
-    """PERF.md's standard grid: B = 16384 / S, H * D = 2048."""
-    return [Case("fwd" if mode == "fwd" else "fwdbwd", mode, TOKENS // S, S, S, HIDDEN // D, HIDDEN // D, D, dtype,
-                 causal=causal)
+def grid_cases(mode: str, dtype: str = "bfloat16", suite: Optional[str] = None,
+               peers: tuple = STANDARD_PEERS) -> list:
+    """PERF.md's standard grid: B = 16384 / S, H * D = 2048, D 64/128, S 1k/4k/16k, causal or not."""
+    suite = suite or ("fwd" if mode == "fwd" else "fwdbwd")
+    return [Case(suite, mode, TOKENS // S, S, S, HIDDEN // D, HIDDEN // D, D, dtype, causal=causal, peers=peers,
+                 grid=True)
             for D in (64, 128) for S in (1024, 4096, 16384) for causal in (False, True)]
 
 
@@ -131,12 +38,12 @@ def feature_cases(dtype: str = "bfloat16") -> list:
     for mode in ("fwd", "fwdbwd"):
         out.append(Case(**{**base, "Hkv": G}, mode=mode, causal=True, name="GQA 32/8 causal"))
     for mode in ("fwd", "fwdbwd"):
-        out.append(Case(**base, mode=mode, bias=True, name="bias [B,1,S,S]"))
+        out.append(Case(**base, mode=mode, bias=True, peers=NO_FA4, name="bias [B,1,S,S]"))
     out.append(Case(**base, mode="fwdbwd", bias=True, dropout=0.1, peers=("cudnn", "efficient"),
                     name="bias + dropout 0.1"))
     out.append(Case(**base, mode="fwdbwd", bias=True, bias_grad=True, peers=("efficient", "cudnn"),
                     name="bias with grad"))
-    win = ("cudnn", "efficient", "flex")  # FA2 takes no mask
+    win = ("fa4", "cudnn", "efficient", "flex")  # FA2 takes no mask
     for mode in ("fwd", "fwdbwd"):
         out.append(Case(**base, mode=mode, causal=True, window=1023, peers=win, name="causal window 1024"))
     for mode in ("fwd", "fwdbwd"):
@@ -146,6 +53,7 @@ def feature_cases(dtype: str = "bfloat16") -> list:
         out.append(Case(**big, mode=mode, causal=True, window=1023, peers=win, name="causal window 1024 S=16k"))
     for mode in ("fwd", "fwdbwd"):
         out.append(Case(**big, mode=mode, causal=True, name="causal (dense) S=16k"))
+    # the offset is Sk - Sq: FA4's causal (bottom-right) is the same mask
     out.append(Case(**{**base, "Sq": 1024, "Sk": 16384}, mode="fwd", causal=True, offset=15 * 1024, peers=win,
                     name="prefill 1k on 16k (offset 15k)"))
     out.append(Case(**base, mode="fwdbwd", causal=True, deterministic=True, peers=("ours_default",),
@@ -157,7 +65,7 @@ def decode_cases(dtype: str = "bfloat16") -> list:
     out = []
     for B in (1, 4, 32, 128):
         for L in (4096, 32768, 131072):
-            c = Case("decode", "decode", B, 1, L, 32, 8, 128, dtype, peers=("cudnn", "flash", "flex"))
+            c = Case("decode", "decode", B, 1, L, 32, 8, 128, dtype, peers=("fa4", "cudnn", "flash", "flex"))
             if case_bytes(c) <= DECODE_CACHE_LIMIT:
                 out.append(c)
     return out
@@ -179,14 +87,15 @@ def varlen_cases(dtype: str = "bfloat16") -> list:
     lens = varlen_lengths(16, TOKENS)
     equal = (TOKENS // 4,) * 4
     return [Case("varlen", mode, len(ls), max(ls), max(ls), 16, 16, 128, dtype, causal=causal, seqlens=ls,
-                 peers=("varlen_attn", "flex", "ours_padded"), name=name and name + (" causal" if causal else ""))
+                 peers=("fa4", "varlen_attn", "flex", "ours_padded"),
+                 name=name and name + (" causal" if causal else ""))
             for ls, name in ((lens, ""), (equal, "varlen 4 x 4k (equal)"))
             for causal in (False, True) for mode in ("fwd", "fwdbwd")]
 
 
 def memory_cases(dtype: str = "bfloat16") -> list:
     S = 131072
-    return [Case("memory", "memory", 1, S, S, 16, 16, 128, dtype, causal=True, peers=("cudnn", "flash"))]
+    return [Case("memory", "memory", 1, S, S, 16, 16, 128, dtype, causal=True, peers=("fa4", "cudnn", "flash"))]
 
 
 def headdim_cases(dtype: str = "bfloat16") -> list:
@@ -194,17 +103,37 @@ def headdim_cases(dtype: str = "bfloat16") -> list:
     out = []
     for D in (32, 96, 256):
         H = max(1, round(HIDDEN / D))
-        out += [Case("headdims", mode, B, S, S, H, H, D, dtype) for mode in ("fwd", "fwdbwd")]
+        peers = NO_FA4 if dtype == "float32" else STANDARD_PEERS
+        out += [Case("headdims", mode, B, S, S, H, H, D, dtype, peers=peers) for mode in ("fwd", "fwdbwd")]
     if dtype != "float32":
         for D in (64, 128):
             H = HIDDEN // D
-            out += [Case("headdims", mode, B, S, S, H, H, D, "float32") for mode in ("fwd", "fwdbwd")]
+            out += [Case("headdims", mode, B, S, S, H, H, D, "float32", peers=NO_FA4) for mode in ("fwd", "fwdbwd")]
+    return out
+
+
+def compare_cases(dtype: str = "bfloat16") -> list:
+    """ours beside FA4 and cuDNN only (the issue-18 table): the grid forward, then forward+backward, then
+    GQA 32/8 at S = 4k causal, a causal window of 1023 at S = 16k (cuDNN only through a dense mask) and
+    D = 256 (H = 8) at S = 4k and 16k, causal or not."""
+    out = grid_cases("fwd", dtype, "compare", YARDSTICK_PEERS) + grid_cases("fwdbwd", dtype, "compare",
+                                                                            YARDSTICK_PEERS)
+    base = dict(suite="compare", dtype=dtype, peers=YARDSTICK_PEERS)
+    for mode in ("fwd", "fwdbwd"):
+        out.append(Case(mode=mode, B=4, Sq=4096, Sk=4096, Hq=32, Hkv=8, D=128, causal=True, **base))
+    for mode in ("fwd", "fwdbwd"):
+        out.append(Case(mode=mode, B=1, Sq=16384, Sk=16384, Hq=16, Hkv=16, D=128, causal=True, window=1023,
+                        name="D=128 S=16k causal window 1023", **base))
+    for S in (4096, 16384):
+        for causal in (False, True):
+            for mode in ("fwd", "fwdbwd"):
+                out.append(Case(mode=mode, B=TOKENS // S, Sq=S, Sk=S, Hq=8, Hkv=8, D=256, causal=causal, **base))
     return out
 
 
 _BUILDERS = {"fwd": lambda dt: grid_cases("fwd", dt), "fwdbwd": lambda dt: grid_cases("fwdbwd", dt),
              "features": feature_cases, "decode": decode_cases, "varlen": varlen_cases,
-             "memory": memory_cases, "headdims": headdim_cases}
+             "memory": memory_cases, "headdims": headdim_cases, "compare": compare_cases}
 
 
 def parse_suites(text: str) -> list:
@@ -221,6 +150,41 @@ def parse_suites(text: str) -> list:
 def build_cases(suite: str, dtype: str = "bfloat16") -> list:
     return _BUILDERS[suite](dtype)
 
+
+# ---------------------------------------------------------------------------------------------
+# the main job's rows (python -m flashforge.bench)
+
+CPU_SEQLENS = (512, 1024, 2048)
+CPU_DECODE_KEYS = 16384
+
+
+def cpu_cases(default_threads: int) -> list:
+    """B = 1, H = 8, D = 64, S 512/1024/2048 causal or not, forward and forward+backward, and one decoding
+    step (1 query, 16k keys), against SDPA: in float32 and bfloat16, on torch's default number of threads
+    and, where that is more than one, on one thread."""
+    out = []
+    for threads in ((None, 1) if default_threads > 1 else (None,)):
+        for dtype in ("float32", "bfloat16"):
+            for S in CPU_SEQLENS:
+                for causal in (False, True):
+                    out += [Case("cpu", mode, 1, S, S, 8, 8, 64, dtype, causal=causal, peers=("sdpa",),
+                                 threads=threads) for mode in ("fwd", "fwdbwd")]
+            out.append(Case("cpu", "fwd", 1, 1, CPU_DECODE_KEYS, 8, 8, 64, dtype, peers=("sdpa",), threads=threads))
+    return out
+
+
+def gpu_main_cases(dtype: str = "bfloat16") -> list:
+    """The standard grid, each shape forward then forward+backward, against FA4 and cuDNN."""
+    fwd, fwdbwd = (grid_cases(m, dtype, "main", YARDSTICK_PEERS) for m in ("fwd", "fwdbwd"))
+    return [c for pair in zip(fwd, fwdbwd) for c in pair]
+
+
+def main_cases(device_type: str, default_threads: int = 1) -> list:
+    return gpu_main_cases() if device_type == "cuda" else cpu_cases(default_threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# picking and shrinking
 
 def trim_flex(cases: Sequence[Case]) -> list:
     """`all` keeps FlexAttention where PERF.md has Flex anchors (every compile costs seconds): not on the

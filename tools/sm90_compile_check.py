@@ -6,7 +6,7 @@ CPU tensors with every kernel replaced by a recorder, then compiles each
 recorded launch ahead of time for an H100/H200 target with Triton's bundled
 ptxas: a kernel that would not compile on the GPU fails here.
 
-    python scripts/sm90_compile_check.py [--quick]
+    python tools/sm90_compile_check.py [--quick]
 """
 from __future__ import annotations
 

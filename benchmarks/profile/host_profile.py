@@ -1,7 +1,7 @@
 """Python profile (cProfile) of the host side of eager calls: forward and forward+backward at
 the grid's S = 1k shapes, with the GPU held busy so only the host's work is measured.
 
-    PYTHONPATH=. python scripts/host_profile.py [--calls 50] [--top 30]
+    PYTHONPATH=. python benchmarks/profile/host_profile.py [--calls 50] [--top 30]
 """
 import argparse
 import cProfile

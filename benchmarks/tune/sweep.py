@@ -1,6 +1,6 @@
 """Tile-config sweep of flashforge's Triton attention kernels (to fill flashforge/ops/triton/configs.py).
 
-    PYTHONPATH=. python benchmarks/sweep.py --head-dim 128 [--dtype bf16] [--causal] [--pass fwd|bwd|all]
+    PYTHONPATH=. python benchmarks/tune/sweep.py --head-dim 128 [--dtype bf16] [--causal] [--pass fwd|bwd|all]
                                             [--out DIR] [--top 5] [--quick] [--max-seconds 540]
 
 For one (head dim, dtype, causal, pass) it times the kernels under each TileConfig candidate
@@ -32,8 +32,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from attention.report import environment  # benchmarks/attention/: on sys.path as this script's folder
-from attention.runner import Runner
+from flashforge.benchmark.environment import environment
+from flashforge.benchmark.timing import Timing
 
 KINDS = {"fwd": ("fwd",), "bwd": ("bwd_kv", "bwd_q"), "all": ("fwd", "bwd_kv", "bwd_q")}
 # candidate axes per kind: block_m, block_n, num_warps, num_stages
@@ -302,7 +302,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q, k, v, do = (torch.randn(B, S, H, D, generator=g, device=dev, dtype=dtype) for _ in range(4))
     flops = fwd_flops(B, H, S, D, args.causal)
 
-    bench = Runner(dev, args.warmup, args.rep).time_ms  # do_bench median; on the CPU one wall-clock run
+    timing = Timing(args.warmup, args.rep)  # do_bench median; on the CPU a wall-clock median
+
+    def bench(fn):
+        return timing.ms(fn, dev)
 
     runs: dict = {}
     if "fwd" in kinds:
