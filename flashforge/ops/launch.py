@@ -5,9 +5,9 @@ $FLASHFORGE_LAUNCH_CACHE=0 turns it off (every launch then takes Triton's own pa
 Why: `kernel[grid](*args)` binds every argument, rebuilds the specialization key (a
 tuple of every argument's type and divisibility, plus the options' string), builds launch
 metadata and looks the kernel up before launching.  On the device's CPU, a profile
-(scripts/host_profile.py) put that at roughly half of `JITFunction.run`'s time, and the
+(benchmarks/profile/host_profile.py) put that at roughly half of `JITFunction.run`'s time, and the
 grid's S = 1k causal training step was host-bound: ~1.0-1.3 ms of host work per
-forward+backward against ~0.8 ms of GPU work (scripts/short_calls.py).
+forward+backward against ~0.8 ms of GPU work (benchmarks/profile/short_calls.py).
 
 The cache key here is what Triton specializes on (checked against
 `native_specialize_impl`, tests/test_launch.py): a tensor's dtype and 16-byte alignment; an
@@ -31,7 +31,7 @@ try:
 except ImportError:  # pragma: no cover - a Triton without these: always the plain launch
     JITFunction = None
 
-# On the H200 (scripts/short_calls.py, D = 128, S = 1k) it took the host time of a
+# On the H200 (benchmarks/profile/short_calls.py, D = 128, S = 1k) it took the host time of a
 # forward+backward from 0.98-1.17 ms to 0.72-0.86 ms (v0.6.0).  That version's key missed
 # constexprs passed by position, which only some test orders exposed; a GPU test now runs
 # varied calls in verify mode, and the whole suite passed in it (benchmarks/RESULTS.md v0.7.0).
@@ -175,7 +175,7 @@ def _direct(compiled, n_args):
     or None.  Triton 3.6's Python launcher (`CudaLauncher.__call__` and its descriptor wrapper)
     allocates no scratch for our kernels, so it only passes fixed values and expands each TMA
     descriptor into (CUtensorMap, shape, strides).  Calling the C launcher here took one Gluon
-    launch from 44-55 to 29-35 us of host time on the device (scripts/host_breakdown.py)."""
+    launch from 44-55 to 29-35 us of host time on the device (benchmarks/profile/host_breakdown.py)."""
     from triton.backends.nvidia.driver import make_tensordesc_arg
 
     run = compiled.run  # (loads the binary)

@@ -5,7 +5,7 @@ uses small tiles because it runs each program as numpy code.  Override a
 choice by editing the table, with `set_config` (benchmarks sweep this way), or
 for a whole process with a JSON file named by $FLASHFORGE_TILE_CONFIGS:
 ``{"fwd/128/2": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2}, ...}``
-(what `benchmarks/sweep.py --write-configs` writes for another GPU).
+(what `benchmarks/tune/sweep.py --write-configs` writes for another GPU).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     # forward only: load K/V tiles with the Hopper copy engine (TMA descriptors) where
-    # the layout allows it; off until measured (benchmarks/sweep.py compares both)
+    # the layout allows it; off until measured (benchmarks/tune/sweep.py compares both)
     tma: bool = False
     # forward only: warp-specialize the interior key loop (tl.range(..., warp_specialize=True))
     ws: bool = False
@@ -86,7 +86,7 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     ("fwd_gluon_causal", 64, 2): TileConfig(64, 64, 4, 2, gluon=True),
     # D = 128 causal at S = 1k: v0.4.0's benchmark read Gluon 263 TFLOP/s against the portable
     # tiles' 329 and kept Gluon from 2k keys on; v0.5.0 timed both in one process
-    # (scripts/short_calls.py): Gluon 348 in a CUDA graph and 307 eager against the portable
+    # (benchmarks/profile/short_calls.py): Gluon 348 in a CUDA graph and 307 eager against the portable
     # 321 and 219 (it also needs ~100 us less host time per call), so Gluon serves all lengths
     ("fwd_gluon_causal", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, v_stages=1),
     ("fwd", 256, 2): TileConfig(64, 32, 4, 2),
@@ -122,7 +122,7 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
 }
 # Every other GPU: tiles sized for the smallest shared memory of the recent ones (99 KB
 # per block on sm_86 / sm_89; 163 KB on sm_80), checked offline by
-# scripts/sm90_compile_check.py --arch 80,89; not tuned.
+# tools/sm90_compile_check.py --arch 80,89; not tuned.
 _GENERIC: dict[tuple[str, int, int], TileConfig] = {
     ("fwd", 64, 2): TileConfig(128, 64, 4, 2),
     ("fwd", 128, 2): TileConfig(64, 64, 4, 2),
