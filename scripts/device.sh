@@ -60,6 +60,7 @@ if [ "$#" -eq 0 ]; then  # every file with tests that run on CUDA
     set -- tests/test_gpu.py tests/test_gluon_sm90.py tests/test_rope.py tests/test_varlen.py tests/test_kvcache.py \
         tests/test_tma.py tests/test_compile.py tests/test_transformers.py tests/test_dispatch.py tests/test_replay.py \
         tests/test_configs.py tests/test_launch.py tests/test_fused_bwd.py tests/test_poly_exp2.py \
+        tests/test_extreme_logits.py tests/test_distributed.py \
         tests/test_attention_torch.py::test_runs_on_cuda_tensors
 fi
 if [[ " $PARTS " == *" tests "* ]]; then
