@@ -32,7 +32,7 @@ from flashforge import reference
 from helpers import backend_device, backend_params
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 BACKENDS = backend_params()
@@ -191,7 +191,8 @@ def test_varlen_rejects_bad_cu_seqlens_values(backend, name, cu, match):
     bad = torch.tensor(cu, dtype=torch.int64 if max(cu) >= 2**31 else torch.int32, device=dev)
     cus = {"cu_seqlens_q": good, "cu_seqlens_k": good, name: bad}
     with pytest.raises(ValueError, match=match):
-        flashforge.attention_varlen(q, k, v, cus["cu_seqlens_q"], cus["cu_seqlens_k"], 10, 10, backend=backend)
+        flashforge.attention_varlen(q, k, v, cus["cu_seqlens_q"], cus["cu_seqlens_k"], 10, 10, backend=backend,
+                                    check_inputs=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -200,9 +201,9 @@ def test_varlen_rejects_a_max_seqlen_below_the_longest_sequence(backend):
     q, k, v = _varlen_inputs(dev, 10, 10, Guards())
     cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=dev)
     with pytest.raises(ValueError, match=r"max_seqlen_q is 5 but the longest sequence has 6 rows; accepted: >= 6"):
-        flashforge.attention_varlen(q, k, v, cu, cu, 5, 6, backend=backend)
+        flashforge.attention_varlen(q, k, v, cu, cu, 5, 6, backend=backend, check_inputs=True)
     with pytest.raises(ValueError, match=r"max_seqlen_k is 3 but the longest sequence has 6 rows"):
-        flashforge.attention_varlen(q, k, v, cu, cu, 6, 3, backend=backend)
+        flashforge.attention_varlen(q, k, v, cu, cu, 6, 3, backend=backend, check_inputs=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -321,7 +322,8 @@ def test_kvcache_rejects_bad_index_values_before_writing(backend, paged, what, m
         table[0, 1] = -1
     before = _bits(kc), _bits(vc)
     with pytest.raises(ValueError, match=match):
-        flashforge.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table, backend=backend)
+        flashforge.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table, backend=backend,
+                                          check_inputs=True)
     assert torch.equal(_bits(kc), before[0]) and torch.equal(_bits(vc), before[1]), "a failed call wrote the cache"
     guards.check()
 
@@ -361,6 +363,25 @@ def test_unused_block_table_entries_may_hold_anything(backend):
     guards.check()
     new_k, new_v = _gather(kc, table, kc.shape[0]), _gather(vc, table, vc.shape[0])  # after the append
     assert_rows_close(o, _kvcache_reference(q, new_k, new_v, [6, 18], True, None), "o")
+
+
+@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] == "triton"])
+def test_block_table_clamp_per_key(backend, monkeypatch):
+    """Key tiles wider than the pages look the block table up per key (`key_rows`): an unchecked
+    entry outside the pool is clamped there too."""
+    from flashforge.ops.triton import configs
+    dev = backend_device(backend)
+    if torch.device(dev).type == "cpu":  # the interpreter's tiles are 16 x 16: widen the keys
+        monkeypatch.setattr(configs, "_INTERPRETER", configs.TileConfig(16, 32, 1, 1))
+    guards = Guards()
+    q, kc, vc, _, _, table = _cache(dev, guards, True, 32, [20, 30], 0, 1)
+    table[0, 1], table[1, 0] = 2**31 - 1, -5
+    lens = guards.place(torch.tensor([20, 30], dtype=torch.int32, device=dev))
+    with unchecked(), guarded_allocations(guards):
+        o = flashforge.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, backend=backend)
+    guards.check()
+    rows_k, rows_v = _gather(kc, table, kc.shape[0]), _gather(vc, table, vc.shape[0])
+    assert_rows_close(o, _kvcache_reference(q, rows_k, rows_v, [20, 30], True, None), "o")
 
 
 def _expected_append(kc, vc, kn, vn, lengths, table, capacity):
@@ -481,7 +502,7 @@ def test_alibi_offsets_beyond_the_exact_range(backend):
         flashforge.attention(q, k, v, causal_offset=2**29 + 1, alibi_slopes=slopes, backend=backend)
     with pytest.raises(ValueError, match=r"causal_offset\[1\] is -1073741824; accepted with alibi_slopes"):
         flashforge.attention(q, k, v, causal_offset=torch.tensor([0, -2**30], device=dev), alibi_slopes=slopes,
-                             backend=backend)
+                             backend=backend, check_inputs=True)
     off = torch.tensor([2**29, -2**29], device=dev)
     o = flashforge.attention(q, k, v, causal=True, causal_offset=off, alibi_slopes=slopes, backend=backend)
     for b in range(2):
@@ -557,3 +578,447 @@ def test_canonical_visibility_is_exact():
                         for br in (0, Sk - Sq):
                             assert torch.equal(visible(Sq, Sk, off + br, left, right),
                                                visible(Sq, Sk, o2 + br, l2, r2)), (off, left, right, Sq, Sk, br)
+
+
+# ---------------------------------------------------------------------------------------------
+# Property tests: bad and extreme values for every index-like argument.  Either a ValueError
+# naming an argument that is wrong, or the right result; nothing outside the tensors touched.
+# Derandomized (CI sees the same examples every run), tiny shapes.
+
+PROPS = dict(deadline=None, derandomize=True, database=None, print_blob=True,
+             suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+INT32_EDGES = [-(2**31), -(2**31) + 1, -7, -1, 1, 2**31 - 2, 2**31 - 1]
+INT64_EDGES = INT32_EDGES + [-(2**62), -(2**40), 2**31, 2**32 + 3, 2**40, 2**61, 2**62, 2**63 - 1, -(2**63)]
+SIDES = [-1, 0, 1, 3, 2**31 - 2, 2**31 - 1, 2**40, 10**20]
+INT_OFFSETS = [0, 2, -3, 2**29, 2**29 + 1, -(2**31), 2**31 - 1, 2**40, -(10**20), 10**20]
+MAX_OFFSET, SAFE_INDEX = 2**61, 2**29
+
+
+@st.composite
+def cumulative(draw, lengths, dtype):
+    """cu_seqlens of `lengths`, maybe broken: (values, kind)."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    kind = draw(st.sampled_from(["valid", "valid", "valid", "start", "decrease", "last", "edge"]))
+    if kind == "start":
+        cu[0] = draw(st.sampled_from([1, -1, 3]))
+    elif kind == "decrease" and len(cu) > 2:
+        i = draw(st.integers(1, len(cu) - 2))
+        cu[i] = cu[i + 1] + draw(st.integers(1, 4))
+    elif kind == "last":
+        cu[-1] += draw(st.sampled_from([-1, 1, 7, 1000]))
+    elif kind == "edge":
+        cu[draw(st.integers(0, len(cu) - 1))] = draw(st.sampled_from(INT32_EDGES if dtype == torch.int32
+                                                                      else INT64_EDGES))
+    return cu
+
+
+def cu_valid(cu, total: int) -> bool:
+    return cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])) and cu[-1] == total
+
+
+@st.composite
+def offsets(draw, B: int, alibi: bool):
+    """(the causal_offset argument's description, per-sequence values before any bottom-right shift or
+    None for bottom_right, whether it is valid)."""
+    kind = draw(st.sampled_from(["int", "int32", "int64", "bottom_right"]))
+    if kind == "bottom_right":
+        return "bottom_right", None, True
+    limit = SAFE_INDEX if alibi else MAX_OFFSET
+    if kind == "int":
+        value = draw(st.sampled_from(INT_OFFSETS))
+        return value, [value] * B, not alibi or abs(value) <= SAFE_INDEX
+    edges = INT32_EDGES if kind == "int32" else INT64_EDGES
+    values = draw(st.lists(st.sampled_from(edges + [0, 2, -3]), min_size=B, max_size=B))
+    dtype = torch.int32 if kind == "int32" else torch.int64
+    return (tuple(values), dtype), values, all(-limit <= x <= limit for x in values)
+
+
+def offset_argument(desc, dev):
+    if isinstance(desc, tuple):
+        return torch.tensor(desc[0], dtype=desc[1], device=dev)
+    return desc
+
+
+windows = st.one_of(st.none(), st.tuples(st.sampled_from(SIDES), st.sampled_from(SIDES)))
+
+
+def _varlen_reference(q, k, v, bounds_q, bounds_k, offs, left, right, slopes, do):
+    """Per sequence in float64: o [total_q, Hq, Dv] and lse [Hq, total_q] (rows of no sequence: 0, -inf)
+    and, with do, the gradients of sum(o * do)."""
+    q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    o = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
+    loss = 0.0
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(bounds_q, bounds_k)):
+        off = (k1 - k0) - (q1 - q0) if offs is None else offs[b]
+        ob, lb = reference_rows(q64[q0:q1], k64[k0:k1], v64[k0:k1], off, left, right,
+                                slopes=None if slopes is None else slopes[b])
+        o[q0:q1], lse[:, q0:q1] = ob.detach(), lb.detach()
+        if do is not None:
+            loss = loss + (ob * do[q0:q1].double().cpu()).sum()
+    grads = torch.autograd.grad(loss, (q64, k64, v64), allow_unused=True) if do is not None else None
+    return o, lse, grads
+
+
+def _covered_once(bounds, total, limit=None):
+    """Bool [total]: rows of exactly one sequence (and below `limit` rows into it)."""
+    count = torch.zeros(total, dtype=torch.int64)
+    keep = torch.zeros(total, dtype=torch.bool)
+    for start, end in bounds:
+        count[start:end] += 1
+        keep[start:min(end, start + limit) if limit is not None else end] = True
+    return keep & (count == 1)
+
+
+@st.composite
+def varlen_calls(draw):
+    B = draw(st.integers(1, 3))
+    lq = draw(st.lists(st.integers(0, 5), min_size=B, max_size=B))
+    lk = draw(st.lists(st.integers(0, 5), min_size=B, max_size=B))
+    dtype_q, dtype_k = (draw(st.sampled_from([torch.int32, torch.int64])) for _ in range(2))
+    alibi = draw(st.booleans())
+    off_desc, offs, off_ok = draw(offsets(B, alibi))
+    if alibi and off_ok and offs is not None and any(abs(x) > 8 for x in offs):
+        off_desc, offs = 0, [0] * B  # a valid ALiBi offset float32 can resolve (large ones: refused)
+    return dict(B=B, lq=lq, lk=lk, cu_q=draw(cumulative(lq, dtype_q)), cu_k=draw(cumulative(lk, dtype_k)),
+                dtype_q=dtype_q, dtype_k=dtype_k, dq=draw(st.sampled_from([0, 0, 1, -1, 10**9])),
+                dk=draw(st.sampled_from([0, 0, 1, -1, 10**9])), causal=draw(st.booleans()), window=draw(windows),
+                off_desc=off_desc, offs=offs, off_ok=off_ok, alibi=alibi,
+                unchecked=draw(st.booleans()), bwd=draw(st.booleans()))
+
+
+def _varlen_property(backend, c):
+    dev = backend_device(backend)
+    total_q, total_k = sum(c["lq"]), sum(c["lk"])
+    guards = Guards()
+    q, k, v = _varlen_inputs(dev, total_q, total_k, guards, seed=len(c["lq"]))
+    cu_q = guards.place(torch.tensor(c["cu_q"], dtype=c["dtype_q"], device=dev))
+    cu_k = guards.place(torch.tensor(c["cu_k"], dtype=c["dtype_k"], device=dev))
+    max_q, max_k = max(0, max(c["lq"]) + c["dq"]), max(0, max(c["lk"]) + c["dk"])
+    slopes = torch.rand(c["B"], 2, generator=torch.Generator().manual_seed(1)).to(dev) if c["alibi"] else None
+    unchecked_call = c["unchecked"] and c["off_ok"]  # (beyond the documented range, unchecked offsets clamp)
+    wrong = set()
+    if not cu_valid(c["cu_q"], total_q):
+        wrong.add("cu_seqlens_q")
+    if not cu_valid(c["cu_k"], total_k):
+        wrong.add("cu_seqlens_k")
+    if not wrong:
+        if max_q < max(c["lq"]):
+            wrong.add("max_seqlen_q")
+        if max_k < max(c["lk"]):
+            wrong.add("max_seqlen_k")
+    if not c["off_ok"]:
+        wrong.add("causal_offset")
+    kw = dict(causal=c["causal"], causal_offset=offset_argument(c["off_desc"], dev), window=c["window"],
+              alibi_slopes=slopes, return_lse=True, backend=backend, check_inputs=not unchecked_call)
+    event("refused" if wrong and not unchecked_call else "unchecked, out of range" if wrong else
+          "unchecked" if unchecked_call else "valid")
+    if wrong and not unchecked_call:
+        with pytest.raises(ValueError) as err:
+            flashforge.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+        assert any(str(err.value).startswith(name) for name in wrong), (str(err.value), wrong)
+        guards.check()
+        return
+    with contextlib.ExitStack() as stack:
+        if unchecked_call:
+            stack.enter_context(unchecked())
+        stack.enter_context(guarded_allocations(guards))
+        o, lse = flashforge.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(2)).to(dev)
+        grads = torch.autograd.grad((o * do).sum(), (q, k, v)) if c["bwd"] else None
+    guards.check()
+    bounds_q, bounds_k = clamped_bounds(c["cu_q"], total_q), clamped_bounds(c["cu_k"], total_k)
+    left, right = sides(c["window"], c["causal"])
+    want_o, want_lse, want_grads = _varlen_reference(q, k, v, bounds_q, bounds_k, c["offs"], left, right,
+                                                     None if slopes is None else slopes.cpu(),
+                                                     do if grads is not None and not wrong else None)
+    rows = _covered_once(bounds_q, total_q, limit=max_q)
+    assert_rows_close(o[rows.to(dev)], want_o[rows], "o")
+    assert_rows_close(lse[:, rows.to(dev)], want_lse[:, rows], "lse")
+    if want_grads is not None:
+        for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
+            assert_rows_close(got, torch.zeros_like(got.cpu().double()) if want is None else want, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:1])
+@settings(max_examples=40, **PROPS)
+@given(c=varlen_calls())
+def test_varlen_index_arguments_property_torch(backend, c):
+    _varlen_property(backend, c)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+@settings(max_examples=15, **PROPS)
+@given(c=varlen_calls())
+def test_varlen_index_arguments_property_triton(backend, c):
+    _varlen_property(backend, c)
+
+
+LEN_EDGES = [-1, -5, 2**31 - 1, -(2**31)]
+
+
+@st.composite
+def kvcache_calls(draw):
+    paged = draw(st.booleans())
+    capacity = PAGE * draw(st.integers(1, 2)) if paged else draw(st.integers(1, 20))
+    s_new = draw(st.integers(0, 2))
+    Sq = draw(st.integers(1, 3))
+    kind = draw(st.sampled_from(["int", "int32", "int64"]))
+    in_range = st.integers(0, max(0, capacity - s_new))
+    if kind == "int":
+        n = draw(st.one_of(in_range, in_range, st.sampled_from([capacity - s_new + 1, -1, 2**40])))
+        lengths = [n] * B
+    else:
+        edges = LEN_EDGES + ([2**40, -(2**40), 2**63 - 1] if kind == "int64" else [])
+        lengths = draw(st.lists(st.one_of(in_range, in_range, in_range,
+                                          st.sampled_from(edges + [capacity - s_new + 1])), min_size=B, max_size=B))
+    entries = []  # (b, j, value) corruptions of the block table
+    if paged:
+        for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):
+            entries.append((draw(st.integers(0, B - 1)), draw(st.integers(0, capacity // PAGE - 1)),
+                            draw(st.sampled_from([-1, B * (capacity // PAGE) + 2, 2**31 - 1, -(2**31)]))))
+    return dict(paged=paged, capacity=capacity, s_new=s_new, Sq=Sq, kind=kind, lengths=lengths, entries=entries,
+                causal=draw(st.booleans()), window=draw(windows), splits=draw(st.sampled_from([1, 1, 3])),
+                unchecked=kind != "int" and draw(st.sampled_from([True, True, False])))
+
+
+def _kvcache_property(backend, c):
+    dev = backend_device(backend)
+    guards = Guards()
+    capacity, s_new, lengths = c["capacity"], c["s_new"], c["lengths"]
+    q, kc, vc, kn, vn, table = _cache(dev, guards, c["paged"], capacity, [min(max(n, 0), capacity) for n in lengths],
+                                      s_new, c["Sq"], seed=capacity)
+    for b, j, value in c["entries"]:
+        table[b, j] = value
+    if c["kind"] == "int":
+        lens = lengths[0]
+    else:
+        lens = guards.place(torch.tensor(lengths, dtype=torch.int32 if c["kind"] == "int32" else torch.int64,
+                                         device=dev))
+    n_blocks = kc.shape[0]
+    wrong = any(n < 0 or n + s_new > capacity for n in lengths)
+    if table is not None and not wrong:
+        for b, n in enumerate(lengths):
+            used = -(-(n + s_new) // PAGE)
+            wrong |= any(not 0 <= int(x) < n_blocks for x in table[b, :used].tolist())
+    kw = dict(cache_seqlens=lens, block_table=table, causal=c["causal"], window=c["window"], num_splits=c["splits"],
+              backend=backend, check_inputs=not c["unchecked"])
+    before = _bits(kc), _bits(vc)
+    event("refused" if wrong and not c["unchecked"] else "unchecked, out of range" if wrong else
+          "unchecked" if c["unchecked"] else "valid")
+    if wrong and not c["unchecked"]:
+        with pytest.raises(ValueError, match=r"^(cache_seqlens|block_table)"):
+            flashforge.attention_with_kvcache(q, kc, vc, kn, vn, **kw)
+        assert torch.equal(_bits(kc), before[0]) and torch.equal(_bits(vc), before[1]), "a failed call wrote the cache"
+        guards.check()
+        return
+    want_k, want_v, targets = _expected_append(kc, vc, kn, vn, lengths, table, capacity)
+    with contextlib.ExitStack() as stack:
+        if c["unchecked"]:
+            stack.enter_context(unchecked())
+        stack.enter_context(guarded_allocations(guards))
+        o = flashforge.attention_with_kvcache(q, kc, vc, kn, vn, **kw)
+    guards.check()
+    for slot, writers in targets.items():
+        if len(writers) > 1:
+            want_k[slot], want_v[slot] = kc[slot].cpu(), vc[slot].cpu()
+    assert torch.equal(_bits(kc), _bits(want_k)) and torch.equal(_bits(vc), _bits(want_v)), \
+        "the append wrote other slots than its own"
+    keys = [min(max(n + s_new, 0), capacity) for n in lengths]
+    rows_k, rows_v = _gather(kc, table, n_blocks), _gather(vc, table, n_blocks)
+    assert_rows_close(o, _kvcache_reference(q, rows_k, rows_v, keys, c["causal"], c["window"]), "o")
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:1])
+@settings(max_examples=40, **PROPS)
+@given(c=kvcache_calls())
+def test_kvcache_index_arguments_property_torch(backend, c):
+    _kvcache_property(backend, c)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+@settings(max_examples=20, **PROPS)
+@given(c=kvcache_calls())
+def test_kvcache_index_arguments_property_triton(backend, c):
+    _kvcache_property(backend, c)
+
+
+@st.composite
+def dense_calls(draw):
+    Bd = draw(st.integers(1, 2))
+    alibi = draw(st.booleans())
+    off_desc, offs, off_ok = draw(offsets(Bd, alibi))
+    if alibi and off_ok and offs is not None and any(abs(x) > 8 for x in offs):
+        off_desc, offs = 0, [0] * Bd
+    window = draw(st.one_of(windows, st.sampled_from([1, 2, 2**31, 10**20, 0, -3])))
+    dropout = draw(st.sampled_from([0.0, 0.0, 0.3]))
+    seed = draw(st.sampled_from([0, 1, 2**32 - 1, 2**32, 2**63 - 1, -1, 2**63]))
+    return dict(B=Bd, Sq=draw(st.integers(1, 5)), Sk=draw(st.integers(0, 6)), alibi=alibi, off_desc=off_desc,
+                offs=offs, off_ok=off_ok, window=window, causal=draw(st.booleans()), dropout=dropout, seed=seed,
+                unchecked=draw(st.booleans()))
+
+
+def _dense_property(backend, c):
+    dev = backend_device(backend)
+    gen = torch.Generator().manual_seed(c["Sq"] * 7 + c["Sk"])
+    guards = Guards()
+    Bd, Sq, Sk = c["B"], c["Sq"], c["Sk"]
+    q = guards.place(randn(gen, Bd, Sq, 2, 16, device=dev)).requires_grad_()
+    k = guards.place(randn(gen, Bd, Sk, 1, 16, device=dev)).requires_grad_()
+    v = guards.place(randn(gen, Bd, Sk, 1, 16, device=dev)).requires_grad_()
+    slopes = torch.rand(2, generator=gen).to(dev) if c["alibi"] else None
+    offset = offset_argument(c["off_desc"], dev)
+    if isinstance(offset, torch.Tensor):
+        offset = guards.place(offset)
+    wrong = set()
+    if not c["off_ok"]:
+        wrong.add("causal_offset")
+    if isinstance(c["window"], int) and c["window"] <= 0:
+        wrong.add("window")
+    if c["dropout"] > 0 and not 0 <= c["seed"] < 2**63:
+        wrong.add("seed")
+    unchecked_call = c["unchecked"] and not wrong
+    kw = dict(causal=c["causal"], causal_offset=offset, window=c["window"], alibi_slopes=slopes,
+              dropout_p=c["dropout"], seed=c["seed"] if c["dropout"] > 0 else None, return_lse=True, backend=backend,
+              check_inputs=not unchecked_call)
+    event("refused" if wrong else "unchecked" if unchecked_call else "valid")
+    if wrong:
+        with pytest.raises(ValueError) as err:
+            flashforge.attention(q, k, v, **kw)
+        assert any(str(err.value).startswith(name) for name in wrong), (str(err.value), wrong)
+        return
+    with contextlib.ExitStack() as stack:
+        if unchecked_call:
+            stack.enter_context(unchecked())
+        stack.enter_context(guarded_allocations(guards))
+        o, lse = flashforge.attention(q, k, v, **kw)
+        do = torch.randn(o.shape, generator=gen).to(dev)
+        grads = torch.autograd.grad((o * do).sum(), (q, k, v))
+    guards.check()
+    left, right = sides(c["window"], c["causal"])
+    offs = [Sk - Sq] * Bd if c["offs"] is None else c["offs"]
+    vis = torch.stack([visible(Sq, Sk, offs[b], left, right) for b in range(Bd)])[:, None]  # [B, 1, Sq, Sk]
+    q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    want_o, want_lse = reference.attention(
+        q64, k64, v64, mask=vis, causal_offset=torch.tensor(offs) if slopes is not None else 0,
+        alibi_slopes=None if slopes is None else slopes.cpu(), dropout_p=c["dropout"], seed=max(c["seed"], 0),
+        return_lse=True)
+    want_grads = torch.autograd.grad((want_o * do.double().cpu()).sum(), (q64, k64, v64), allow_unused=True)
+    assert_rows_close(o, want_o, "o")
+    assert_rows_close(lse, want_lse, "lse")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert_rows_close(got, torch.zeros_like(got.cpu().double()) if want is None else want, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:1])
+@settings(max_examples=40, **PROPS)
+@given(c=dense_calls())
+def test_offsets_windows_seeds_property_torch(backend, c):
+    _dense_property(backend, c)
+
+
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+@settings(max_examples=15, **PROPS)
+@given(c=dense_calls())
+def test_offsets_windows_seeds_property_triton(backend, c):
+    _dense_property(backend, c)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU only: real device tensors (the lead's batched GPU run)
+
+@pytest.mark.gpu
+def test_gpu_default_path_reads_no_device_value():
+    """Without check_inputs no index tensor is read on the host: a decoding step (append + attend,
+    paged) and a varlen call synchronise nothing; check_inputs=True does (that is its cost)."""
+    dev = "cuda"
+    guards = Guards()
+    q, kc, vc, kn, vn, table = _cache(dev, guards, True, 32, [5, 17], 1, 1)
+    lens = torch.tensor([5, 17], dtype=torch.int32, device=dev)
+    qv = torch.randn(10, 2, 16, device=dev)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=dev)
+    for _ in range(2):  # (compiled and cached on the first pass)
+        flashforge.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table)
+        flashforge.attention_varlen(qv, qv[:, :1], qv[:, :1], cu, cu, 6, 6, causal=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flashforge.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table)
+        flashforge.attention_varlen(qv, qv[:, :1], qv[:, :1], cu, cu, 6, 6, causal=True)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            flashforge.attention_varlen(qv, qv[:, :1], qv[:, :1], cu, cu, 6, 6, check_inputs=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_gpu_check_inputs_refuses_device_values():
+    """check_inputs=True reads device index tensors and refuses bad values before writing; without it
+    the same calls run, clamped (no illegal address: the CUDA context survives)."""
+    dev = "cuda"
+    guards = Guards()
+    q, k, v = _varlen_inputs(dev, 10, 10, guards)
+    cu_bad = guards.place(torch.tensor([0, 4, 40], dtype=torch.int32, device=dev))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] is 40"):
+        flashforge.attention_varlen(q, k, v, cu_bad, cu_bad, 10, 10, check_inputs=True)
+    with guarded_allocations(guards):
+        flashforge.attention_varlen(q, k, v, cu_bad, cu_bad, 10, 10).sum().backward()
+    torch.cuda.synchronize()
+    guards.check()
+    qc, kc, vc, kn, vn, table = _cache(dev, guards, True, 32, [20, 31], 1, 1)
+    before = _bits(kc), _bits(vc)
+    lens = guards.place(torch.tensor([20, 40], dtype=torch.int32, device=dev))
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] \(40\) \+ S_new \(1\)"):
+        flashforge.attention_with_kvcache(qc, kc, vc, kn, vn, cache_seqlens=lens, block_table=table,
+                                          check_inputs=True)
+    assert torch.equal(_bits(kc), before[0]) and torch.equal(_bits(vc), before[1])
+    table[1, 0] = 10**6
+    with guarded_allocations(guards):
+        flashforge.attention_with_kvcache(qc, kc, vc, kn, vn, cache_seqlens=lens, block_table=table)
+    torch.cuda.synchronize()
+    guards.check()
+
+
+@pytest.mark.gpu
+def test_gpu_environment_variable_covers_the_drop_in():
+    """FLASHFORGE_CHECK_INPUTS=1 makes flash-attn's drop-in (no check_inputs keyword in its
+    signature) refuse bad device cu_seqlens."""
+    import subprocess
+    import sys
+    code = ("import torch; from flashforge.flash_attn_interface import flash_attn_varlen_func as f\n"
+            "q = torch.randn(10, 2, 64, device='cuda', dtype=torch.bfloat16)\n"
+            "cu = torch.tensor([0, 4, 40], dtype=torch.int32, device='cuda')\n"
+            "try:\n    f(q, q, q, cu, cu, 10, 10)\nexcept ValueError as e:\n    print('refused:', e)\n")
+    env = dict(__import__("os").environ, FLASHFORGE_CHECK_INPUTS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert "refused: cu_seqlens_q[-1] is 40" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_gluon_varlen_unchecked_bounds_stay_inside(D, causal):
+    """The sm_90 Gluon kernels serve packed bf16 batches with D = 64/128 and >= 64 rows: with a last
+    cu_seqlens entry past the rows (unchecked), nothing outside q, k, v, o, lse or the gradients is
+    touched and the sequences are those of the clamped bounds (needs the clamp in the Gluon kernels'
+    `pipeline.sequence`)."""
+    dev = "cuda"
+    guards = Guards()
+    total = 200
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (guards.place(randn(gen, total, 2, D, device=dev).to(torch.bfloat16)).requires_grad_()
+               for _ in range(3))
+    cu_bad = guards.place(torch.tensor([0, 120, 4000], dtype=torch.int32, device=dev))
+    cu = torch.tensor([0, 120, 200], dtype=torch.int32, device=dev)
+    with guarded_allocations(guards):
+        o = flashforge.attention_varlen(q, k, v, cu_bad, cu_bad, 4000, 4000, causal=causal)
+        grads = torch.autograd.grad(o.float().sum(), (q, k, v))
+    torch.cuda.synchronize()
+    guards.check()
+    want = flashforge.attention_varlen(q, k, v, cu, cu, 120, 120, causal=causal)
+    want_grads = torch.autograd.grad(want.float().sum(), (q, k, v))
+    torch.testing.assert_close(o, want, rtol=0, atol=0)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)

@@ -208,7 +208,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # sits at that count - Sq: the Triton kernel aligns its queries bottom-right against each
     # row's key count itself (no extra kernel in a decoding step); the PyTorch path takes the
     # positions as a tensor (of the clamped key counts, as the kernels clamp unchecked values)
-    q_pos = None if backend == "triton" else (cache_seqlens.to(torch.int64) + s_new).clamp(0, capacity) - Sq
+    q_pos = None if backend == "triton" else \
+        (cache_seqlens.to(torch.int64).clamp(-s_new, capacity) + s_new).clamp(max=capacity) - Sq
     with torch.no_grad():
         if k is not None:  # rotated (if asked) on the way into the cache
             kvcache_append_function(k_cache, v_cache, k, v, cache_seqlens, block_table, rope_params, backend)

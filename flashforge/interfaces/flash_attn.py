@@ -217,7 +217,11 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 def _rotate_with_tables(x, cos, sin, pos, interleaved: bool):
     """flash-attn's rotary with precomputed tables: x ``[B, S, H, D]`` at positions ``pos [B, S]``,
     ``cos``/``sin`` ``[seqlen_ro, rotary_dim / 2]``; the first rotary_dim dims rotate."""
-    half = cos.shape[-1]
+    half, rows = cos.shape[-1], cos.shape[0]
+    if pos.device.type == "cpu" and pos.numel() and int(pos.max()) >= rows:
+        raise ValueError(f"rotary_cos has {rows} rows but position {int(pos.max())} is needed (cache_seqlens + "
+                         f"S_new must stay within the rotary tables)")
+    pos = pos.clamp(0, rows - 1)  # unchecked device positions must not index outside the tables
     c = cos[pos][:, :, None, :].float()  # [B, S, 1, rd/2]
     s_ = sin[pos][:, :, None, :].float()
     xr, xp = x[..., :2 * half].float(), x[..., 2 * half:]
@@ -256,12 +260,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_seqlens is None:  # full caches
         cache_seqlens = (block_table.shape[1] * k_cache.shape[1]) if block_table is not None else k_cache.shape[1]
         cache_seqlens -= 0 if k is None else k.shape[1]
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     if rotary_cos is not None:
         s_new = 0 if k is None else k.shape[1]
         ar = lambda n: torch.arange(n, device=q.device).view(1, n)  # noqa: E731
-        start = cache_seqlens.long().view(B, 1)
+        if isinstance(cache_seqlens, int):  # (an int goes on as it is: checked against the capacity there)
+            start = torch.full((B, 1), cache_seqlens, dtype=torch.int64, device=q.device)
+        else:
+            start = cache_seqlens.long().view(B, 1)
         q = _rotate_with_tables(q, rotary_cos, rotary_sin, start + s_new - Sq + ar(Sq), rotary_interleaved)
         if k is not None:
             k = _rotate_with_tables(k, rotary_cos, rotary_sin, start + ar(s_new), rotary_interleaved)

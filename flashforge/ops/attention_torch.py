@@ -282,7 +282,8 @@ def _kvcache_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tup
     B, Sq, Hq, _ = q.shape
     paged = params.block_table is not None
     capacity = params.block_table.shape[1] * k.shape[1] if paged else k.shape[1]
-    lengths = (params.seqlens_k.to(torch.int64) + params.seqlens_k_add).clamp(0, capacity)  # [B]
+    add = params.seqlens_k_add  # (clamped before adding: a count near the int64 range must not wrap)
+    lengths = (params.seqlens_k.to(torch.int64).clamp(-add, capacity) + add).clamp(max=capacity)  # [B]
     longest = int(lengths.max()) if B else 0  # host sync: this path runs on the host
     if longest == 0:  # no row sees a key
         return (torch.zeros(B, Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device),

@@ -147,8 +147,8 @@ def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr, HAS_SEQLENS_K: tl
         q_start = 0
         Sq_b = Sq
         k_start = 0
-        if HAS_SEQLENS_K:  # in int64: a count near 2**31 plus k_add must not wrap
-            Sk_b = tl.minimum(tl.maximum(tl.load(CU_K + b).to(tl.int64) + k_add, 0), Sk).to(tl.int32)
+        if HAS_SEQLENS_K:  # clamped before k_add is added: a count near the int range must not wrap
+            Sk_b = tl.minimum(tl.minimum(tl.maximum(tl.load(CU_K + b), -k_add), Sk).to(tl.int32) + k_add, Sk)
         else:
             Sk_b = Sk
     return q_start, Sq_b, k_start, Sk_b
