@@ -115,12 +115,16 @@ def unchecked():
 
 
 def visible(Sq: int, Sk: int, off: int, left: int, right: int) -> torch.Tensor:
-    """Bool [Sq, Sk] of the visibility rule with Python ints (exact for any size)."""
+    """Bool [Sq, Sk] of the visibility rule, key j visible from query i iff i + off - left <= j <=
+    i + off + right (a side < 0: unbounded), exact for Python ints of any size: the bounds on j - i
+    are computed in Python, and clamping them beyond |j - i| < Sq + Sk changes no comparison."""
+    n = Sq + Sk + 1
+    d = torch.arange(Sk).view(1, Sk) - torch.arange(Sq).view(Sq, 1)  # j - i
     vis = torch.ones(Sq, Sk, dtype=torch.bool)
-    for i in range(Sq):
-        for j in range(Sk):
-            d = j - (i + off)
-            vis[i, j] = (left < 0 or d >= -left) and (right < 0 or d <= right)
+    if left >= 0:
+        vis &= d >= max(-n, min(n, off - left))
+    if right >= 0:
+        vis &= d <= max(-n, min(n, off + right))
     return vis
 
 
