@@ -231,6 +231,8 @@ def record(quick: bool):
     run(D=256, dtype=torch.float16, offset_tensor=torch.tensor([3, 5], dtype=torch.int32), window_right=0,
         alibi_slopes=torch.rand(2, 4))
     run(dtype=torch.float32, window_right=0)
+    # int64 per-batch offsets, folded with the window sides inside the kernels (`load_offset`)
+    run(offset_tensor=torch.tensor([2**40, -3]), window_left=4, window_right=0)
     run(D=128, mask=torch.randn(1, 4, 1, 128), dropout_p=0.2, seed=1)
     cu = torch.tensor([0, 50, 128], dtype=torch.int32)
     run(B=1, Sq=128, Sk=128, window_right=0, offset_bottom_right=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
@@ -255,6 +257,9 @@ def record(quick: bool):
     new = torch.randn(B, 1, Hkv, D, dtype=torch.bfloat16)
     kvcache.append(kc, kc, new, new, p.seqlens_k, p.block_table, rope)
     kvcache.append(kc[:B], kc[:B], new, new, p.seqlens_k, None, None)
+    # int64 key counts (read as they are, clamped to the capacity in the kernels)
+    launchers.attention_forward(q, kc, kc, None, replace(p, seqlens_k=p.seqlens_k.long(), seqlens_k_add=1))
+    kvcache.append(kc, kc, new, new, p.seqlens_k.long(), p.block_table, None)
     return log
 
 

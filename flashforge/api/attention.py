@@ -8,8 +8,9 @@ import torch
 
 from ..autograd.attention import attention_function
 from ..ops.params import AttnParams
-from .validate import (MAX_HEAD_DIM, MAX_SEED, check_backend, check_float, check_float_dtype, check_int,
-                       check_same_device, check_tensor, check_window, draw_seed)
+from .validate import (MAX_HEAD_DIM, MAX_OFFSET, MAX_SEED, SAFE_INDEX, canonical_visibility, check_backend,
+                       check_bool, check_float, check_float_dtype, check_int, check_same_device, check_tensor,
+                       check_window, draw_seed, values_visible)
 
 __all__ = ["attention"]
 
@@ -50,8 +51,10 @@ def _normalise_mask(mask, q: torch.Tensor, rank: int, B: int, Hq: int, Sq: int, 
     return m
 
 
-def _normalise_offset(causal_offset, q: torch.Tensor, B: int) -> tuple[int, Optional[torch.Tensor], bool]:
-    """(int offset, per-batch int32 tensor or None, bottom-right flag)."""
+def _normalise_offset(causal_offset, q: torch.Tensor, B: int, check_inputs: bool,
+                      alibi: bool) -> tuple[int, Optional[torch.Tensor], bool]:
+    """(int offset, per-batch int32/int64 tensor or None, bottom-right flag).  A tensor keeps its
+    dtype (int64 values are not truncated); its values are checked where `values_visible`."""
     if isinstance(causal_offset, str):
         if causal_offset != "bottom_right":
             raise ValueError(f"causal_offset string must be 'bottom_right' (offset Sk - Sq per sequence), "
@@ -64,10 +67,21 @@ def _normalise_offset(causal_offset, q: torch.Tensor, B: int) -> tuple[int, Opti
             raise ValueError(f"causal_offset tensor has shape {tuple(causal_offset.shape)}; accepted: [B] = [{B}]")
         if causal_offset.device != q.device:
             raise ValueError(f"causal_offset is on {causal_offset.device} but q is on {q.device}")
-        return 0, causal_offset.to(torch.int32).contiguous(), False
+        if values_visible(causal_offset, check_inputs):
+            limit = SAFE_INDEX if alibi else MAX_OFFSET
+            values = causal_offset.tolist()
+            for b, value in enumerate(values):
+                if not -limit <= value <= limit:
+                    why = " with alibi_slopes (its distance term uses the offset itself)" if alibi else ""
+                    raise ValueError(f"causal_offset[{b}] is {value}; accepted{why}: -2**{limit.bit_length() - 1} "
+                                     f"to 2**{limit.bit_length() - 1}")
+        return 0, causal_offset.contiguous(), False
     if isinstance(causal_offset, bool) or not isinstance(causal_offset, int):
         raise TypeError(f"causal_offset must be an int, an int32/int64 tensor [B] or 'bottom_right', "
                         f"got {type(causal_offset).__name__} ({causal_offset!r})")
+    if alibi and abs(causal_offset) > SAFE_INDEX:
+        raise ValueError(f"causal_offset is {causal_offset}; accepted with alibi_slopes (its distance term uses "
+                         f"the offset itself): -2**29 to 2**29")
     return causal_offset, None, False
 
 
@@ -122,16 +136,23 @@ def check_heads_and_dims(q4, k4, v4) -> None:
         raise ValueError(f"num_heads ({Hq}) must be a multiple of num_kv_heads ({Hkv})")
 
 
-def build_params(q4, B: int, *, causal, causal_offset, window, dropout_p, seed, scale, softcap, alibi_slopes,
-                 deterministic, allow_tf32, backend, **varlen):
-    """Validate the options shared by every attention entry point: (AttnParams, seed tensor or None, backend)."""
+def build_params(q4, B: int, extent: int, *, causal, causal_offset, window, dropout_p, seed, scale, softcap,
+                 alibi_slopes, deterministic, allow_tf32, backend, check_inputs=False, **varlen):
+    """Validate the options shared by every attention entry point: (AttnParams, seed tensor or None, backend).
+    ``extent`` bounds every sequence's ``Sq_b + Sk_b`` (`canonical_visibility`)."""
     Hq, D = q4.shape[2], q4.shape[3]
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    offset, offset_tensor, bottom_right = _normalise_offset(causal_offset, q4, B)
+    check_bool("check_inputs", check_inputs)
+    alibi = alibi_slopes is not None
+    offset, offset_tensor, bottom_right = _normalise_offset(causal_offset, q4, B, check_inputs, alibi)
     left, right = check_window(window)
     if causal:
         right = 0
+    if offset_tensor is None:
+        offset, left, right = canonical_visibility(offset, left, right, extent, alibi)
+    else:  # per-batch values are folded per sequence inside the kernels (`load_offset`)
+        left, right = min(left, 2 * MAX_OFFSET), min(right, 2 * MAX_OFFSET)
     dropout_p = check_float("dropout_p", dropout_p, minimum=0.0, below=1.0)
     seed_tensor = draw_seed(q4.device) if seed is None and dropout_p > 0.0 else None
     seed = 0 if seed is None else check_int("seed", seed, minimum=0, maximum=MAX_SEED - 1)
@@ -158,7 +179,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               causal_offset: Union[int, torch.Tensor] = 0, window=None, mask: Optional[torch.Tensor] = None,
               dropout_p: float = 0.0, seed: Optional[int] = None, scale: Optional[float] = None,
               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, deterministic: bool = False,
-              return_lse: bool = False, backend: Optional[str] = None, allow_tf32: bool = False):
+              return_lse: bool = False, backend: Optional[str] = None, allow_tf32: bool = False,
+              check_inputs: bool = False):
     """Exact (flash) attention.
 
     Args:
@@ -184,6 +206,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         return_lse: also return ``lse [B, Hq, Sq]`` (float32, natural log), differentiable.
         backend: None (Triton for CUDA tensors, PyTorch on CPU), "triton" or "torch".
         allow_tf32: float32 inputs may use TF32 tensor-core products (faster, ~1e-3 relative error).
+        check_inputs: also check the values of a device ``causal_offset`` tensor (a device sync);
+            CPU tensors are always checked: per-batch values must lie within +-2**61 (with
+            ``alibi_slopes``, whose distance term uses the offset itself, +-2**29).  Unchecked
+            device values beyond act as that bound.  Every int offset and window side is exact.
 
     Returns:
         ``o [B, Sq, Hq, Dv]`` in q's dtype, or ``(o, lse)`` if ``return_lse``.
@@ -197,9 +223,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     check_heads_and_dims(q4, k4, v4)
     mask4 = _normalise_mask(mask, q, rank, B, Hq, Sq, Sk)
     params, seed_tensor, backend = build_params(
-        q4, B, causal=causal, causal_offset=causal_offset, window=window, dropout_p=dropout_p, seed=seed,
+        q4, B, Sq + Sk, causal=causal, causal_offset=causal_offset, window=window, dropout_p=dropout_p, seed=seed,
         scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-        allow_tf32=allow_tf32, backend=backend)
+        allow_tf32=allow_tf32, backend=backend, check_inputs=check_inputs)
     q4, k4, v4 = unit_last_stride(q4, k4, v4)
     o, lse = attention_function(q4, k4, v4, mask4, params, backend, seed_tensor)
 

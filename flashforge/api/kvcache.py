@@ -14,7 +14,8 @@ from ..ops.rope_torch import RopeParams
 from ..ops.params import AttnParams
 from .attention import _normalise_slopes, check_heads_and_dims, check_qkv_rank
 from .rope import STYLES
-from .validate import check_backend, check_float, check_int, check_tensor, check_window
+from .validate import (canonical_visibility, check_backend, check_bool, check_float, check_int, check_tensor,
+                       check_window, values_visible)
 
 __all__ = ["Rope", "attention_with_kvcache"]
 
@@ -51,13 +52,37 @@ def auto_splits(Sq: int, B: int, Hq: int, Hkv: int, capacity: int, sms: int, blo
     return max(1, min(per_sm * sms // programs, capacity // 256, 64))
 
 
+def _check_cache_seqlens(cache_seqlens: torch.Tensor, s_new: int, capacity: int) -> list:
+    """The lengths as a list, each checked: 0 <= n and n + S_new <= capacity."""
+    lengths = cache_seqlens.tolist()
+    for b, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"cache_seqlens[{b}] is {n}; accepted: >= 0")
+        if n + s_new > capacity:
+            raise ValueError(f"cache_seqlens[{b}] ({n}) + S_new ({s_new}) is {n + s_new}; accepted: at most the "
+                             f"cache's capacity {capacity}")
+    return lengths
+
+
+def _check_block_table(block_table: torch.Tensor, lengths: list, s_new: int, block_size: int,
+                       num_blocks: int) -> None:
+    """The entries each row uses (those of its keys below lengths[b] + S_new) name blocks of the cache."""
+    table = block_table.tolist()
+    for b, n in enumerate(lengths):
+        used = -(-(n + s_new) // block_size)
+        for j, blk in enumerate(table[b][:used]):
+            if not 0 <= blk < num_blocks:
+                raise ValueError(f"block_table[{b}, {j}] is {blk}; accepted: a block index in [0, {num_blocks}) "
+                                 f"(row {b} uses its first {used} entries)")
+
+
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
                            cache_seqlens: Union[int, torch.Tensor], block_table: Optional[torch.Tensor] = None,
                            rope: Optional[Rope] = None, causal: bool = True, window=None, softcap: float = 0.0,
                            scale: Optional[float] = None, alibi_slopes: Optional[torch.Tensor] = None,
                            return_lse: bool = False, num_splits: Optional[int] = None,
-                           backend: Optional[str] = None):
+                           backend: Optional[str] = None, check_inputs: bool = False):
     """Attention of new queries against a KV cache (inference: no gradients).
 
     Args:
@@ -66,16 +91,27 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             or paged ``[num_blocks, block_size, Hkv, D]`` with ``block_table``.
         k, v: None, or the new keys and values ``[B, S_new, Hkv, D]``: they are written into the
             cache in place at positions ``cache_seqlens[b] + i`` (after RoPE, if asked) before
-            attending.  The caller makes sure they fit.
-        cache_seqlens: int or int32/int64 tensor ``[B]``: tokens already in each cache row.
+            attending.
+        cache_seqlens: int or int32/int64 tensor ``[B]``: tokens already in each cache row, with
+            ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + S_new <= capacity`` (``S_cache``, or
+            ``max_blocks * block_size`` when paged).
         block_table: int32 ``[B, max_blocks]``: key j of sequence b is row ``j % block_size`` of
-            block ``block_table[b, j // block_size]``; ``block_size`` a power of two >= 16.
+            block ``block_table[b, j // block_size]``; ``block_size`` a power of two >= 16.  The
+            entries a row uses (its first ``ceil(L_b / block_size)``) must lie in ``[0, num_blocks)``;
+            the others are never read.
         rope: a `Rope`: rotate q and the new k at their absolute positions, as `apply_rope` would.
         causal, window, softcap, scale, alibi_slopes: as in `flashforge.attention`, with the
             queries aligned to the end of the keys: sequence b has ``L_b = cache_seqlens[b] + S_new``
             keys and query i sits at position ``L_b - Sq + i`` (``cache_seqlens[b] + i`` when
             ``Sq == S_new``).
         num_splits: split-KV factor; None picks one from the batch, heads and cache size.
+        check_inputs: also check the values of device ``cache_seqlens`` and ``block_table`` (a device
+            sync); CPU tensors and ints are always checked, and a value breaking the rules above
+            raises ``ValueError`` before anything is written.  Unchecked device values never make
+            a kernel touch memory outside the tensors: row b holds ``clamp(cache_seqlens[b] + S_new,
+            0, capacity)`` keys (the queries aligned to their end), a new key whose slot falls outside
+            ``[0, capacity)`` is not written, and a block-table entry outside ``[0, num_blocks)``
+            reads (and its slots are written in) block ``clamp(entry, 0, num_blocks - 1)``.
 
     Returns:
         ``o [B, Sq, Hq, D]``, or ``(o, lse [B, Hq, Sq])``.
@@ -94,6 +130,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_size = k_cache.shape[1]
         if block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"paged k_cache has block_size {block_size}; accepted: a power of two >= 16")
+        if k_cache.shape[0] == 0:
+            raise ValueError("paged k_cache has 0 blocks; accepted: at least one (the block table's entries "
+                             "index them)")
         capacity = block_table.shape[1] * block_size
     else:
         if k_cache.shape[0] < B:
@@ -106,10 +145,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                              f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
         if cache_seqlens.device != dev:
             raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {dev}")
-        cache_seqlens = cache_seqlens.to(torch.int32)
     else:
-        cache_seqlens = torch.full((B,), check_int("cache_seqlens", cache_seqlens, minimum=0),
-                                   dtype=torch.int32, device=dev)
+        check_int("cache_seqlens", cache_seqlens, minimum=0)
 
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new keys and values) or both be None")
@@ -121,11 +158,26 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"new k {tuple(k.shape)} / v {tuple(v.shape)} must be [B, S_new, Hkv, D] matching "
                              f"q's batch {B} and the caches' heads and head dims")
         s_new = k.shape[1]
+    check_bool("check_inputs", check_inputs)
+    # every value checked before anything is written (the append comes first)
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens + s_new > capacity:
+            raise ValueError(f"cache_seqlens ({cache_seqlens}) + S_new ({s_new}) is {cache_seqlens + s_new}; "
+                             f"accepted: at most the cache's capacity {capacity}")
+        if block_table is not None and values_visible(block_table, check_inputs):
+            _check_block_table(block_table, [cache_seqlens] * B, s_new, k_cache.shape[1], k_cache.shape[0])
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=dev)
+    elif values_visible(cache_seqlens, check_inputs):
+        lengths = _check_cache_seqlens(cache_seqlens, s_new, capacity)
+        if block_table is not None:
+            _check_block_table(block_table, lengths, s_new, k_cache.shape[1], k_cache.shape[0])
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     left, right = check_window(window)
     if causal:
         right = 0
+    # the queries sit at offset L_b - Sq of keys L_b <= capacity (aligned in the kernels)
+    _, left, right = canonical_visibility(0, left, right, Sq + capacity, False)
     softcap = check_float("softcap", softcap, minimum=0.0)
     scale = check_float("scale", scale, allow_none=True)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
@@ -155,8 +207,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # row b has cache_seqlens[b] + s_new keys (the kernels add s_new themselves) and its query 0
     # sits at that count - Sq: the Triton kernel aligns its queries bottom-right against each
     # row's key count itself (no extra kernel in a decoding step); the PyTorch path takes the
-    # positions as a tensor
-    q_pos = None if backend == "triton" else cache_seqlens + (s_new - Sq)
+    # positions as a tensor (of the clamped key counts, as the kernels clamp unchecked values)
+    q_pos = None if backend == "triton" else \
+        (cache_seqlens.to(torch.int64).clamp(-s_new, capacity) + s_new).clamp(max=capacity) - Sq
     with torch.no_grad():
         if k is not None:  # rotated (if asked) on the way into the cache
             kvcache_append_function(k_cache, v_cache, k, v, cache_seqlens, block_table, rope_params, backend)

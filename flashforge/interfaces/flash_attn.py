@@ -267,7 +267,11 @@ def _gather_pages(k_cache, v_cache, block_table, cu_seqlens_k):
 def _rotate_with_tables(x, cos, sin, pos, interleaved: bool):
     """flash-attn's rotary with precomputed tables: x ``[B, S, H, D]`` at positions ``pos [B, S]``,
     ``cos``/``sin`` ``[seqlen_ro, rotary_dim / 2]``; the first rotary_dim dims rotate."""
-    half = cos.shape[-1]
+    half, rows = cos.shape[-1], cos.shape[0]
+    if pos.device.type == "cpu" and pos.numel() and int(pos.max()) >= rows:
+        raise ValueError(f"rotary_cos has {rows} rows but position {int(pos.max())} is needed (cache_seqlens + "
+                         f"S_new must stay within the rotary tables)")
+    pos = pos.clamp(0, rows - 1)  # unchecked device positions must not index outside the tables
     c = cos[pos][:, :, None, :].float()  # [B, S, 1, rd/2]
     s_ = sin[pos][:, :, None, :].float()
     xr, xp = x[..., :2 * half].float(), x[..., 2 * half:]
@@ -296,7 +300,10 @@ def _check_cache_rows(cache_seqlens, s_new: int, capacity: int, block_table) -> 
     """flash-attn checks a paged cache's lengths on the host (a sync) and raises; so does this."""
     if block_table is None:
         return
-    longest = int(cache_seqlens.max()) + s_new if cache_seqlens.numel() else 0
+    if isinstance(cache_seqlens, int):
+        longest = cache_seqlens + s_new
+    else:
+        longest = int(cache_seqlens.max()) + s_new if cache_seqlens.numel() else 0
     if longest > capacity:
         raise FlashAttnInputError(f"paged KV cache: max(cache_seqlens){' + seqlen_knew' if s_new else ''} "
                                   f"(= {longest}) exceeds the capacity addressable by block_table "
@@ -369,17 +376,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     window, local = _kvcache_window(window_size, causal, Sq, capacity, alibi_slopes is not None)
     if cache_seqlens is None:  # full caches
         cache_seqlens = capacity - s_new
-    if not isinstance(cache_seqlens, torch.Tensor):
-        cache_seqlens = torch.full((B,), operator.index(cache_seqlens), dtype=torch.int32, device=q.device)
+    if not isinstance(cache_seqlens, torch.Tensor):  # an int goes on as it is: checked against the capacity there
+        cache_seqlens = operator.index(cache_seqlens)
     _check_cache_rows(cache_seqlens, s_new, capacity, block_table)
+    lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else torch.full(
+        (B,), cache_seqlens, dtype=torch.int32, device=q.device)
     if rotary_cos is not None and k is not None:
         ar = lambda n: torch.arange(n, device=q.device).view(1, n)  # noqa: E731
-        start = cache_seqlens.long().view(B, 1)
+        start = lens.long().view(B, 1)
         q = _rotate_with_tables(q, rotary_cos, rotary_sin, start + ar(Sq) if local else start.expand(B, Sq),
                                 rotary_interleaved)
         k = _rotate_with_tables(k, rotary_cos, rotary_sin, start + ar(s_new), rotary_interleaved)
     if cache_leftpad is not None:
-        return _attention_leftpad(q, k_cache, v_cache, k, v, cache_seqlens, cache_leftpad, causal, window, softcap,
+        return _attention_leftpad(q, k_cache, v_cache, k, v, lens, cache_leftpad, causal, window, softcap,
                                   softmax_scale, alibi_slopes, bool(return_softmax_lse))
     return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
                                   causal=causal, window=window, softcap=softcap, scale=softmax_scale,

@@ -230,8 +230,10 @@ class _Tiles:
         return keep.view(self.B * self.Hkv, (r1 - r0) * self.G, c1 - c0)
 
 
-def _sequences(params: AttnParams) -> Iterator[tuple[int, slice, slice, AttnParams]]:
-    """A packed batch, one dense call per sequence: (b, its q rows, its k rows, its params)."""
+def _sequences(params: AttnParams, total_q: int, total_k: int) -> Iterator[tuple[int, slice, slice, AttnParams]]:
+    """A packed batch, one dense call per sequence: (b, its q rows, its k rows, its params).
+    Bounds are clamped into the packed tensors as the kernels clamp them (`seq_bounds`), so
+    unchecked device values never index outside (the public layer checks every value it can see)."""
     cu_q = params.cu_seqlens_q.tolist()  # host sync: this path loops over sequences in Python
     cu_k = params.cu_seqlens_k.tolist()
     offsets = params.offset_tensor.tolist() if params.offset_tensor is not None else None
@@ -240,7 +242,9 @@ def _sequences(params: AttnParams) -> Iterator[tuple[int, slice, slice, AttnPara
                       offset=params.offset if offsets is None else offsets[b],
                       alibi_slopes=None if params.alibi_slopes is None else params.alibi_slopes[b:b + 1],
                       dropout_batch_base=b)
-        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), one
+        q0, k0 = min(max(cu_q[b], 0), total_q), min(max(cu_k[b], 0), total_k)
+        rows_q = slice(q0, min(max(cu_q[b + 1], q0), total_q))
+        yield b, rows_q, slice(k0, min(max(cu_k[b + 1], k0), total_k)), one
 
 
 def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams,
@@ -249,7 +253,7 @@ def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams,
     lse = torch.full((1, q.shape[2], q.shape[1]), _NEG_INF, dtype=_acc_dtype(q.dtype), device=q.device)
     if lse_lo is not None:
         lse_lo.zero_()  # rows of no sequence (past the last cu_seqlens_q entry) included
-    for _, rq, rk, one in _sequences(params):
+    for _, rq, rk, one in _sequences(params, q.shape[1], k.shape[1]):
         if rq.stop > rq.start and rk.stop > rk.start:
             lo = None if lse_lo is None else torch.empty_like(lse[:, :, rq])
             o[:, rq], lse[:, :, rq] = attention_forward(q[:, rq], k[:, rk], v[:, rk], None, one, lse_lo=lo)
@@ -260,7 +264,7 @@ def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams,
 
 def _varlen_backward(do, dlse, q, k, v, o, lse, lse_lo, params: AttnParams) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for _, rq, rk, one in _sequences(params):
+    for _, rq, rk, one in _sequences(params, q.shape[1], k.shape[1]):
         if rq.stop > rq.start and rk.stop > rk.start:
             dq[:, rq], dk[:, rk], dv[:, rk], _ = attention_backward(
                 do[:, rq], None if dlse is None else dlse[:, :, rq], q[:, rq], k[:, rk], v[:, rk], None,
@@ -269,17 +273,31 @@ def _varlen_backward(do, dlse, q, k, v, o, lse, lse_lo, params: AttnParams) -> t
 
 
 def _kvcache_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tuple[Tensor, Tensor]:
-    """A KV cache, as a dense call: gather the pages into rows, hide keys past each row's length."""
-    B = q.shape[0]
-    if params.block_table is not None:
-        k = k[params.block_table.long()].flatten(1, 2)  # [B, max_blocks * block_size, Hkv, D]
-        v = v[params.block_table.long()].flatten(1, 2)
+    """A KV cache, as a dense call: gather the pages into rows, hide keys past each row's length.
+
+    Only the keys below the longest row's length are gathered, and value rows past each row's own
+    length are zeroed: an unused slot may hold anything (NaN from ``torch.empty``), and a weight of
+    0 times NaN is NaN.  Unchecked device values are clamped as the kernels clamp them: lengths to
+    [0, capacity], block-table entries to [0, num_blocks)."""
+    B, Sq, Hq, _ = q.shape
+    paged = params.block_table is not None
+    capacity = params.block_table.shape[1] * k.shape[1] if paged else k.shape[1]
+    add = params.seqlens_k_add  # (clamped before adding: a count near the int64 range must not wrap)
+    lengths = (params.seqlens_k.to(torch.int64).clamp(-add, capacity) + add).clamp(max=capacity)  # [B]
+    longest = int(lengths.max()) if B else 0  # host sync: this path runs on the host
+    if longest == 0:  # no row sees a key
+        return (torch.zeros(B, Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device),
+                torch.full((B, Hq, Sq), _NEG_INF, dtype=_acc_dtype(q.dtype), device=q.device))
+    if paged:
+        table = params.block_table[:, :-(-longest // k.shape[1])].long().clamp(0, k.shape[0] - 1)
+        k = k[table].flatten(1, 2)[:, :longest]  # [B, longest, Hkv, D]
+        v = v[table].flatten(1, 2)[:, :longest]
     else:
-        k, v = k[:B], v[:B]
-    lengths = params.seqlens_k.view(B, 1, 1, 1) + params.seqlens_k_add
-    keep = torch.arange(k.shape[1], device=q.device) < lengths  # [B, 1, 1, Sk]
-    return attention_forward(q, k, v, keep, replace(params, seqlens_k=None, seqlens_k_add=0, block_table=None,
-                                                    num_splits=1))
+        k, v = k[:B, :longest], v[:B, :longest]
+    keep = torch.arange(longest, device=q.device) < lengths.view(B, 1)  # [B, longest]
+    v = v.masked_fill(~keep.view(B, longest, 1, 1), 0.0)
+    return attention_forward(q, k, v, keep.view(B, 1, 1, longest),
+                             replace(params, seqlens_k=None, seqlens_k_add=0, block_table=None, num_splits=1))
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],

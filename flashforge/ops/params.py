@@ -9,7 +9,15 @@ key j is visible from query i iff
 
 Causal attention is simply ``right = 0``; the seed's integer window ``w`` is
 ``(w - 1, w - 1)``.  ``offset`` is either a Python int (``offset``) or a
-per-batch int32 tensor ``[B]`` on the inputs' device (``offset_tensor``).
+per-batch int32/int64 tensor ``[B]`` on the inputs' device (``offset_tensor``).
+
+Index safety.  The public layer checks every index value it can see (shapes, ints, CPU
+tensors; device tensors with ``check_inputs``) and folds an int offset with the window sides
+into int32-safe values with the same visible keys (`flashforge.api.validate.canonical_visibility`).
+Whatever values reach a kernel, it clamps them into the tensors it was given: a packed
+sequence's bounds to the packed rows, a KV-cache row's key count to the capacity, a
+block-table entry to the blocks, an append's slot to the cache (a token past it is not
+written), and per-batch offsets are folded with the window sides per sequence.
 ALiBi adds ``-alibi_slopes[b, h] * |i + offset - j|`` to the score (after softcap,
 like a mask).
 
@@ -42,7 +50,7 @@ class AttnParams:
     window_left: int = -1  # -1: unbounded on that side
     window_right: int = -1  # -1: unbounded; causal is right = 0
     offset: int = 0  # used when offset_tensor is None
-    offset_tensor: Optional[torch.Tensor] = None  # int32 [B], same device as q
+    offset_tensor: Optional[torch.Tensor] = None  # int32 or int64 [B], same device as q
     offset_bottom_right: bool = False  # add Sk_b - Sq_b to each sequence's offset (flash-attn's alignment)
     softcap: float = 0.0  # 0: off
     alibi_slopes: Optional[torch.Tensor] = None  # float32 [B, Hq] (stride 0 where broadcast), same device as q
@@ -61,7 +69,7 @@ class AttnParams:
     cu_seqlens_k: Optional[torch.Tensor] = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    # KV cache (forward only): batch row b sees keys [0, seqlens_k[b]) (int32 [B]); with
+    # KV cache (forward only): batch row b sees keys [0, seqlens_k[b]) (int32 or int64 [B]); with
     # block_table (int32 [B, max_blocks]) k/v are paged [num_blocks, block_size, Hkv, *]
     # and key j of row b is row j % block_size of block block_table[b, j // block_size].
     seqlens_k: Optional[torch.Tensor] = None

@@ -184,6 +184,7 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
         bt, page = params.block_table, k.shape[1]
         paging = (bt.stride(0), k.stride(0), v.stride(0))
         k_strides, v_strides = (0, k.stride(1), k.stride(2)), (0, v.stride(1), v.stride(2))
+        Sk = bt.shape[1] * page  # the capacity: each row's key count is clamped to it
     else:
         bt, page, paging = offsets, 1, (0, 0, 0)
         k_strides, v_strides = _bshd_strides(k, vl), _bshd_strides(v, vl)
@@ -205,7 +206,7 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
         q, k, v, o_out, lse_out, lse_lo if store_lo else lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns, k_desc, v_desc,
         _longest_first(params, offsets),
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
-        *m_strides, s_ab, s_ah, *paging, *split_strides, splits, params.seqlens_k_add,
+        *m_strides, s_ab, s_ah, *paging, *split_strides, splits, params.seqlens_k_add, k.shape[0],
         Hq, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
         HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, HAS_SEQLENS_K=params.seqlens_k is not None,
         PAGED=paged, PAGE=page, IS_SPLIT=splits > 1, PACK_GQA=pack, USE_TMA=descs is not None,

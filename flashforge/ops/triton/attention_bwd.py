@@ -197,7 +197,8 @@ def attn_bwd_dkdv_kernel(
     q_rows = Sq  # rows per (b, h) in lse / delta (the packed total for varlen)
     Sq = Sq_b
     Sk = Sk_b
-    off = load_offset(OFFSETS, b, offset, Sq, Sk, OFFSET_PER_BATCH, OFFSET_BR)
+    off, win_left, win_right = load_offset(OFFSETS, b, offset, Sq, Sk, win_left, win_right, OFFSET_PER_BATCH,
+                                           OFFSET_BR, HAS_WL, HAS_WR, HAS_ALIBI)
     Q += tl.cast(q_start, tl.int64) * stride_qs
     DO += tl.cast(q_start, tl.int64) * stride_dos
     K += tl.cast(k_start, tl.int64) * stride_ks
@@ -323,7 +324,8 @@ def attn_bwd_dq_kernel(
     row0 = lse_row0(b, h, Hq, Sq, q_start, IS_VARLEN)
     Sq = Sq_b
     Sk = Sk_b
-    off = load_offset(OFFSETS, b, offset, Sq, Sk, OFFSET_PER_BATCH, OFFSET_BR)
+    off, win_left, win_right = load_offset(OFFSETS, b, offset, Sq, Sk, win_left, win_right, OFFSET_PER_BATCH,
+                                           OFFSET_BR, HAS_WL, HAS_WR, HAS_ALIBI)
     Q += tl.cast(q_start, tl.int64) * stride_qs
     DO += tl.cast(q_start, tl.int64) * stride_dos
     DQ += tl.cast(q_start, tl.int64) * stride_dqs
@@ -411,7 +413,9 @@ def attn_bwd_dmask_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for b in range(b_lo, b_hi):
         b64 = tl.cast(b, tl.int64)
-        off = load_offset(OFFSETS, b, offset, Sq, Sk, OFFSET_PER_BATCH, OFFSET_BR)
+        # this batch row's sides, folded with its offset (the arguments stay as given for the next)
+        off, wl, wr = load_offset(OFFSETS, b, offset, Sq, Sk, win_left, win_right, OFFSET_PER_BATCH, OFFSET_BR,
+                                  HAS_WL, HAS_WR, HAS_ALIBI)
         for h in range(h_lo, h_hi):
             hk = h // GROUP
             bh = b * Hq + h
@@ -433,7 +437,7 @@ def attn_bwd_dmask_kernel(
                     qk = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
                     dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
                     _, ds, _ = _ds_tile(qk, dp, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off,
-                                        win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
+                                        wl, wr, scale, softcap, slope, seed, drop_threshold, drop_scale,
                                         MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                         True, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                         False, BLOCK_M, BLOCK_N, True, HAS_LO)

@@ -14,7 +14,7 @@ from .rope import rope_cos_sin, rope_partner, rope_rotate
 
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_pages, K_DESC, V_DESC, hk, n_lo, n_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
                stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope, win_left, win_right, seed,
                drop_threshold,
                MASK, stride_mb, stride_mh, stride_mm, stride_mn,
@@ -33,7 +33,9 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
     max of the raw products and one fused multiply-add per score.
     WS: ask Triton to warp-specialize the loop (producer / consumer warps).
     POLY_EXP2 (interior tiles without modifiers): 1 or 2 computes half or all of P's
-    exponentials on the FMA pipes (`exp2_split`), 0 all on MUFU."""
+    exponentials on the FMA pipes (`exp2_split`), 0 all on MUFU.
+    n_pages: a paged cache's block count; each block-table entry is clamped into [0, n_pages)
+    (per tile, or per key where pages are narrower than tiles)."""
     # head dims that fill their padded width need no column masks on the loads
     EVEN_D: tl.constexpr = (D == BLOCK_D) and (DV == BLOCK_DV)
     PLAIN: tl.constexpr = SCALE_POS and not (CHECK or HAS_MASK or HAS_SOFTCAP or HAS_ALIBI)
@@ -48,7 +50,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
         o_n = n_start + tl.arange(0, BLOCK_N)
         # the tile's place: (batch row, key) of [B, Sk, Hkv, D], or (page, row in page)
         if PAGE_TILES:
-            t_row = t_next
+            t_row = tl.minimum(tl.maximum(t_next, 0), n_pages - 1)
             t_next = tl.load(BT + (n_start + BLOCK_N) // PAGE, mask=n_start + BLOCK_N < n_hi, other=0)
             t_key = n_start % PAGE
             in_page = (t_key + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -57,8 +59,8 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, n_lo, n_hi, o_m
         else:
             t_row = b
             t_key = n_start
-            k_rows = key_rows(o_n, Sk, BT, stride_kp, stride_ks, PAGED, PAGE)
-            v_rows = key_rows(o_n, Sk, BT, stride_vp, stride_vs, PAGED, PAGE)
+            k_rows = key_rows(o_n, Sk, BT, stride_kp, stride_ks, n_pages, PAGED, PAGE)
+            v_rows = key_rows(o_n, Sk, BT, stride_vp, stride_vs, n_pages, PAGED, PAGE)
         # [BD, BN]
         if USE_TMA:
             b_kt = tl.trans(tl.reshape(K_DESC.load([t_row, t_key, hk, 0]), [BLOCK_N, BLOCK_D]))
@@ -106,7 +108,7 @@ def attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
-    stride_btb, stride_kp, stride_vp, stride_os_split, stride_ls_split, num_splits, seqlens_k_add,
+    stride_btb, stride_kp, stride_vp, stride_os_split, stride_ls_split, num_splits, seqlens_k_add, num_pages,
     Hq, Sq, Sk, D: tl.constexpr, DV: tl.constexpr, GROUP,
     scale, softcap, offset, win_left, win_right, seed, drop_threshold, drop_scale,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
@@ -122,8 +124,8 @@ def attn_fwd_kernel(
     # Sq, Sk: the lengths of a dense batch; for a packed (varlen) batch, the total
     # rows, with each sequence's bounds read from CU_Q / CU_K (batch strides are 0).
     # A KV cache: CU_K holds each row's key count before this call's seqlens_k_add new keys
-    # (HAS_SEQLENS_K); PAGED reads
-    # keys through the block table BT [B, max_blocks] (pages of PAGE rows).
+    # (HAS_SEQLENS_K), Sk its capacity; PAGED reads
+    # keys through the block table BT [B, max_blocks] (num_pages pages of PAGE rows).
     # IS_SPLIT (split-KV): axis 0 also spans num_splits slices of the keys; each
     # writes its normalised partial o and lse at split * stride_*_split, and
     # `attn_fwd_combine_kernel` merges them.
@@ -175,7 +177,8 @@ def attn_fwd_kernel(
     BT += b64 * stride_btb
     Sq = Sq_b
     Sk = Sk_b
-    off = load_offset(OFFSETS, b, offset, Sq, Sk, OFFSET_PER_BATCH, OFFSET_BR)
+    off, win_left, win_right = load_offset(OFFSETS, b, offset, Sq, Sk, win_left, win_right, OFFSET_PER_BATCH,
+                                           OFFSET_BR, HAS_WL, HAS_WR, HAS_ALIBI)
     slope = load_slope(ALIBI, b, h, stride_ab, stride_ah, HAS_ALIBI)
     Q += tl.cast(q_start, tl.int64) * stride_qs
     O += tl.cast(q_start, tl.int64) * stride_os
@@ -223,20 +226,20 @@ def attn_fwd_kernel(
         hi = tl.maximum(tl.minimum(hi, lo + per), lo)
     full_lo, full_hi = full_key_range(q_first, q_last, off, win_left, win_right, Sk, lo, hi, BLOCK_N,
                                       HAS_WL, HAS_WR)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, full_lo, full_hi, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, num_pages, K_DESC, V_DESC, hk, full_lo, full_hi, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
                                off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
                                D, DV, False, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALE_POS, WS,
                                POLY_EXP2)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, lo, full_lo, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, num_pages, K_DESC, V_DESC, hk, lo, full_lo, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
                                off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                                DOT_PRECISION,
                                D, DV, True, PAGED, PAGE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, SCALE_POS)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, K_DESC, V_DESC, hk, full_hi, hi, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, num_pages, K_DESC, V_DESC, hk, full_hi, hi, o_m, o_d, o_dv, b, h2, bh2, Sq, Sk,
                                off, stride_ks, stride_vs, stride_kp, stride_vp, scale, softcap, slope2, win_left,
                                win_right, seed, drop_threshold, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,

@@ -11,6 +11,9 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# flashforge.api.validate's SAFE_INDEX and MAX_OFFSET (see `load_offset`)
+SAFE_INDEX = tl.constexpr(2**29)
+MAX_OFFSET = tl.constexpr(2**61)
 # Triton reads TRITON_INTERPRET once, at import; so do we (inline PTX has no interpreter twin)
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -163,18 +166,22 @@ def seq_bounds(CU_Q, CU_K, b, Sq, Sk, IS_VARLEN: tl.constexpr, HAS_SEQLENS_K: tl
     """(q_start, Sq_b, k_start, Sk_b): where sequence b's rows start in the packed
     tensors and how many there are.  Dense batches: (0, Sq, 0, Sk); with
     HAS_SEQLENS_K (a KV cache), CU_K holds each batch row's key count instead, to which
-    k_add (the keys this call appended) is added."""
+    k_add (the keys this call appended) is added.
+    Bounds are clamped into the tensors (unchecked device values must not move a load or a
+    store outside them): a packed sequence to rows [clamp(cu[b], 0, total), clamp(cu[b+1],
+    start, total)) of the Sq / Sk packed rows, a KV-cache row's key count to [0, Sk], its
+    capacity.  Scalar work, once per program."""
     if IS_VARLEN:
-        q_start = tl.load(CU_Q + b)
-        Sq_b = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        Sk_b = tl.load(CU_K + b + 1) - k_start
+        q_start = tl.minimum(tl.maximum(tl.load(CU_Q + b), 0), Sq)
+        Sq_b = tl.minimum(tl.maximum(tl.load(CU_Q + b + 1), q_start), Sq) - q_start
+        k_start = tl.minimum(tl.maximum(tl.load(CU_K + b), 0), Sk)
+        Sk_b = tl.minimum(tl.maximum(tl.load(CU_K + b + 1), k_start), Sk) - k_start
     else:
         q_start = 0
         Sq_b = Sq
         k_start = 0
-        if HAS_SEQLENS_K:
-            Sk_b = tl.load(CU_K + b) + k_add
+        if HAS_SEQLENS_K:  # clamped before k_add is added: a count near the int range must not wrap
+            Sk_b = tl.minimum(tl.minimum(tl.maximum(tl.load(CU_K + b), -k_add), Sk).to(tl.int32) + k_add, Sk)
         else:
             Sk_b = Sk
     return q_start, Sq_b, k_start, Sk_b
@@ -193,24 +200,52 @@ def lse_row0(b, h, Hq, rows, q_start, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def load_offset(OFFSETS, b, offset, Sq_b, Sk_b, OFFSET_PER_BATCH: tl.constexpr, OFFSET_BR: tl.constexpr):
-    """Query i's absolute position is i + off: the scalar or per-batch offset, plus
-    Sk_b - Sq_b when aligned bottom-right (flash-attn's convention)."""
-    if OFFSET_PER_BATCH:
-        off = tl.load(OFFSETS + b)
-    else:
-        off = offset
-    if OFFSET_BR:
-        off = off + Sk_b - Sq_b
-    return off
+def _clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo), hi)
 
 
 @triton.jit
-def key_rows(o_n, Sk, BT, stride_page, stride_row, PAGED: tl.constexpr, PAGE: tl.constexpr):
+def load_offset(OFFSETS, b, offset, Sq_b, Sk_b, win_left, win_right, OFFSET_PER_BATCH: tl.constexpr,
+                OFFSET_BR: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """(off, win_left, win_right): query i's absolute position is i + off, the scalar or
+    per-batch offset, plus Sk_b - Sq_b when aligned bottom-right (flash-attn's convention).
+
+    An int offset and its window sides were folded on the host into int32-safe values
+    (`flashforge.api.validate.canonical_visibility`).  A per-batch one (int32 or int64, read
+    here) is folded with the sides the same way, per sequence: visibility depends only on
+    off + right and off - left against j - i, which lies in (-n, n) for n = Sq_b + Sk_b, so
+    both clamp to [-n, n] and the offset to [-n, n] between them (with ALiBi, whose distance
+    uses the offset itself, only to +-SAFE_INDEX), in int64 from values within +-MAX_OFFSET.
+    The same keys stay visible and every index sum of the kernel fits int32.  Scalar work."""
+    if OFFSET_PER_BATCH:
+        off = _clamp(tl.load(OFFSETS + b).to(tl.int64), -MAX_OFFSET, MAX_OFFSET)
+        if OFFSET_BR:
+            off = off + Sk_b - Sq_b
+        n = (Sq_b + Sk_b).to(tl.int64)
+        if HAS_ALIBI:
+            off_c = _clamp(off, -SAFE_INDEX, SAFE_INDEX)
+        else:
+            off_c = _clamp(off, -n, n)
+        if HAS_WR:
+            win_right = tl.maximum(_clamp(off + win_right, -n, n) - off_c, 0).to(tl.int32)
+        if HAS_WL:
+            win_left = tl.maximum(off_c - _clamp(off - win_left, -n, n), 0).to(tl.int32)
+        off = off_c.to(tl.int32)
+    else:
+        off = offset
+        if OFFSET_BR:
+            off = off + Sk_b - Sq_b
+    return off, win_left, win_right
+
+
+@triton.jit
+def key_rows(o_n, Sk, BT, stride_page, stride_row, n_pages, PAGED: tl.constexpr, PAGE: tl.constexpr):
     """int64 offsets of key rows o_n: row * stride, or, in a paged cache, through
-    the block table BT (already at this batch row): block * stride_page + row in block."""
+    the block table BT (already at this batch row): block * stride_page + row in block,
+    the block clamped to [0, n_pages) (an unchecked entry must not leave the cache)."""
     if PAGED:
-        blk = tl.load(BT + o_n // PAGE, mask=o_n < Sk, other=0).to(tl.int64)
+        blk = tl.load(BT + o_n // PAGE, mask=o_n < Sk, other=0)
+        blk = _clamp(blk, 0, n_pages - 1).to(tl.int64)
         rows = blk * stride_page + (o_n % PAGE).to(tl.int64) * stride_row
     else:
         rows = o_n.to(tl.int64) * stride_row
