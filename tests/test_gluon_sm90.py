@@ -30,9 +30,9 @@ def gluon_calls(request, monkeypatch):
     calls = []
     real = gluon_attention.attention_forward
 
-    def spy(q, *args):
+    def spy(q, *args, **kw):
         calls.append(tuple(q.shape))
-        return real(q, *args)
+        return real(q, *args, **kw)
 
     monkeypatch.setattr(gluon_attention, "attention_forward", spy)
     yield calls
@@ -111,9 +111,9 @@ def gluon_bwd_calls(request, monkeypatch):
     for kind, name in (("bwd_kv", "attention_bwd_dkdv"), ("bwd_q", "attention_bwd_dq")):
         real = getattr(gluon_attention, name)
 
-        def spy(q, *args, real=real, kind=kind):
+        def spy(q, *args, real=real, kind=kind, **kw):
             calls[kind].append(tuple(q.shape))
-            return real(q, *args)
+            return real(q, *args, **kw)
 
         monkeypatch.setattr(gluon_attention, name, spy)
     yield calls
@@ -230,9 +230,9 @@ def gluon_spies(monkeypatch):
     for kind, name in (("fwd", "attention_forward"), ("bwd_kv", "attention_bwd_dkdv"), ("bwd_q", "attention_bwd_dq")):
         real = getattr(gluon_attention, name)
 
-        def spy(*args, real=real, kind=kind):
+        def spy(*args, real=real, kind=kind, **kw):
             calls[kind] += 1
-            return real(*args)
+            return real(*args, **kw)
 
         monkeypatch.setattr(gluon_attention, name, spy)
     return calls
