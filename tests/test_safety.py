@@ -140,7 +140,7 @@ def sides(window, causal: bool) -> tuple[int, int]:
 
 def reference_rows(q, k, v, off: int, left: int, right: int, slopes=None, **kw):
     """float64 reference of one sequence ``q [Sq, Hq, D]`` against ``k, v [Sk, Hkv, *]``: (o, lse [Hq, Sq])."""
-    vis = visible(q.shape[0], k.shape[0], off, left, right)[None, None]
+    vis = visible(q.shape[0], k.shape[0], off, left, right)[None, None].to(q.device)
     o, lse = reference.attention(q[None].double(), k[None].double(), v[None].double(), mask=vis,
                                  causal_offset=off if slopes is not None else 0, alibi_slopes=slopes,
                                  return_lse=True, **kw)

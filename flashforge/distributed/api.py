@@ -130,8 +130,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"strategy must be 'ring' or 'allgather', got {strategy!r}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    # the window is over global positions: W * S_local queries and as many keys
     params, _, backend = build_params(
-        q, q.shape[0], causal=causal, causal_offset=0, window=window, dropout_p=0.0, seed=None, scale=scale,
+        q, q.shape[0], 2 * group.size() * q.shape[1], causal=causal, causal_offset=0, window=window, dropout_p=0.0, seed=None, scale=scale,
         softcap=softcap, alibi_slopes=None, deterministic=deterministic, allow_tf32=False, backend=None)
     q, k, v = unit_last_stride(q, k, v)
     o, lse = ops.cp_attention_fwd(
