@@ -35,10 +35,11 @@ Differences, by design:
   dropout pattern is flashforge's counter-based one, not flash-attn's.
 
 The varlen functions take packed ``[total, H, D]`` tensors with ``cu_seqlens``; their
-``softmax_lse`` is ``[H, total_q]``, as flash-attn's (``block_table`` is not supported
-there).  ``flash_attn_with_kvcache`` runs on `flashforge.attention_with_kvcache`; its
-rotary tables are applied in PyTorch before the call (not fused yet), and
-``cache_batch_idx`` / ``cache_leftpad`` are not supported.
+``softmax_lse`` is ``[H, total_q]``, as flash-attn's (``block_table``: k, v from a paged
+cache, gathered first).  ``flash_attn_with_kvcache`` runs on `flashforge.attention_with_kvcache`;
+its rotary tables are applied in PyTorch before the call (not fused yet) at flash-attn's
+positions, ``cache_leftpad`` takes the dense kernel with a key mask, and ``cache_batch_idx`` is
+not supported.
 """
 from __future__ import annotations
 
