@@ -44,14 +44,17 @@ def test_exp2_fma_accuracy(poly):
     rel = ((y - want).abs() / want)[big]
     assert rel.max() < 1e-4, rel.max()
     assert (y[~big] < 1e-36).all()  # where 2^x is ~0 for fp16 / bf16 weights, the result is too
-    if poly == 1:  # even columns go through the MUFU path: equal to exp2 to float32 rounding
-        torch.testing.assert_close(y[:, 0::2], want[:, 0::2], rtol=1e-6, atol=0)
+    if poly == 1:  # even columns go through the MUFU path: equal to exp2 to float32 rounding, where
+        # 2^x is a normal float (the GPU's ex2.approx.ftz flushes subnormals, below 2^-126, to 0)
+        normal = x[:, 0::2] > -126
+        torch.testing.assert_close(y[:, 0::2][normal], want[:, 0::2][normal], rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("poly", [1, 2])
 def test_forward_with_poly_exp2_matches(poly, monkeypatch):
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 70, 2, 32, generator=g).half().to(DEV) for _ in range(3))
+    # 300 keys: interior key tiles (the only ones the polynomial serves) with the H200's 128-key tiles too
+    q, k, v = (torch.randn(1, 300, 2, 32, generator=g).half().to(DEV) for _ in range(3))
     real = configs.get_config
 
     def with_poly(p):
