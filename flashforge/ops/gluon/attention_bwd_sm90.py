@@ -81,7 +81,7 @@ def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, off
     h = hk * group + g
     o_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
     lse2, lo, delta = _row_stats(LSE, LSE_LO, DELTA, row_b + h.to(gl.int64) * stride_lh, o_m, Sq, HAS_LO)
-    x = gl.fma(st, qk_scale, -lse2[None, :])  # one rounding, as the forward's
+    x = mul_rn(st, qk_scale) - lse2[None, :]  # the forward's score, exactly (rounding.py)
     if MASKED:  # the causal diagonal: key n visible from query m iff n <= m + offset
         x = gl.where(o_n[:, None] <= o_m[None, :] + offset, x, float("-inf"))
     if HAS_LO:
@@ -245,7 +245,7 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
 def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LO: gl.constexpr):
     """dS ([queries, keys], float32) of one key tile."""
-    x = gl.fma(s, qk_scale, -lse2[:, None])  # one rounding, as the forward's
+    x = mul_rn(s, qk_scale) - lse2[:, None]  # the forward's score, exactly (rounding.py)
     if MASKED:  # keys past Sk (zero-filled: dS K would still mix their scores in) or the causal diagonal
         o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = o_n[None, :] < Sk

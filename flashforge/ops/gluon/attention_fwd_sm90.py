@@ -51,7 +51,7 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, qk_scale, s_layout: gl.const
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         m_shift = m_new
-    p = gl.exp2(gl.fma(s, qk_scale, -m_shift[:, None]))  # one rounding, as the backward's
+    p = gl.exp2(mul_rn(s, qk_scale) - m_shift[:, None])  # the max's own exponent is exactly 0 (rounding.py)
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new

@@ -1,7 +1,8 @@
 """How the sm_90 Gluon kernels round the softmax's exponent, exactly as the portable kernels
-do (ops/triton/common.py `mul_rn`, `exp_arg`), so that a Gluon forward and a portable
-backward (or the reverse) recompute the same P even where scores reach 1e7 and lse's ulp is 1
-(`flashforge.ops.params`, "Log-sum-exp for the backward")."""
+do (ops/triton/common.py `mul_rn`): each score is one float32 product never fused into the
+subtraction that follows, so that a Gluon forward and a portable backward (or the reverse)
+recompute the same P even where scores reach 1e7 and lse's ulp is 1, and no unnormalised weight
+exceeds 1 (`flashforge.ops.params`, "Log-sum-exp for the backward")."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import (LN2, LOG2E, batch_head, exp2_split, exp_arg, full_key_range, key_range, key_rows, load_offset,
+from .common import (LN2, LOG2E, batch_head, exp2_split, full_key_range, key_range, key_rows, load_offset,
                      load_slope, load_tile, lse_row0, mul_rn, score_tile, seq_bounds)
 from .dropout import dropout_keep
 from .rope import rope_cos_sin, rope_partner, rope_rotate
@@ -73,7 +73,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_pages, K_DESC, V_DESC, hk, n_lo, 
             c = scale * LOG2E
             m_new = tl.maximum(m_i, tl.max(qk, axis=1) * c)
             m_shift = m_new
-            p = exp2_split(tl.fma(qk, c, -m_shift[:, None]), POLY_EXP2, BLOCK_N)  # as `exp_arg` rounds it
+            p = exp2_split(mul_rn(qk, c) - m_shift[:, None], POLY_EXP2, BLOCK_N)  # as score_tile rounds it
         else:
             s2, _ = score_tile(qk, o_m[:, None], o_n[None, :], b, h, Sq, Sk, off, win_left, win_right, scale,
                                softcap, slope, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
@@ -81,7 +81,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_pages, K_DESC, V_DESC, hk, n_lo, 
             m_new = tl.maximum(m_i, tl.max(s2, axis=1))
             # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(exp_arg(qk, s2, m_shift[:, None], scale, not (HAS_MASK or HAS_SOFTCAP or HAS_ALIBI), CHECK))
+            p = tl.exp2(s2 - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if HAS_DROPOUT:

@@ -20,9 +20,12 @@ INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 @triton.jit
 def mul_rn(a, b):
-    """a * b rounded once to float32 and never fused into a neighbouring add: the backward's
-    lse * LOG2E must be the very float32 the forward measured lse_lo against (PTX contracts a
-    multiply without a rounding modifier into a following add; `mul.rn` it leaves alone)."""
+    """a * b rounded once to float32 and never fused into a neighbouring add (PTX contracts a
+    multiply without a rounding modifier into a following add; `mul.rn` it leaves alone).
+    Scores and ``lse * LOG2E`` go through it, so that every kernel, forward or backward, whatever
+    its tiles, forms the same float32 score, the row maximum is one of them, and P's exponent
+    ``s2 - max`` is exact and <= 0: fused, ``qk * c - max`` keeps the product's rounding error,
+    which at a score of 1e9 (ulp 64) makes an unnormalised weight 2**32 (inf in float16)."""
     if INTERPRETING:
         r = a * b
     else:
@@ -30,21 +33,6 @@ def mul_rn(a, b):
                                       dtype=tl.float32, is_pure=True, pack=1)
     return r
 
-
-@triton.jit
-def exp_arg(qk, s2, shift, scale, PLAIN_SCORE: tl.constexpr, CHECK: tl.constexpr):
-    """The exponent of P in log2 units, s2 - shift, rounded the same way in the forward and
-    the backward whatever their tiles: with no score modifier (PLAIN_SCORE) as one fused
-    multiply-add of the raw product, which rounds the small difference rather than a
-    score of 1e7 (its ulp is 1); otherwise from `score_tile`'s s2.  CHECK: s2 holds -inf
-    where the key is invisible."""
-    if PLAIN_SCORE:
-        x = tl.fma(qk, scale * LOG2E, -shift)
-        if CHECK:
-            x = tl.where(s2 == float("-inf"), float("-inf"), x)
-    else:
-        x = s2 - shift
-    return x
 
 
 @triton.jit
@@ -75,7 +63,7 @@ def score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softca
         t = tanh(qk * (scale / softcap))
         s2 = t * (softcap * LOG2E)
     else:
-        s2 = qk * (scale * LOG2E)
+        s2 = mul_rn(qk, scale * LOG2E)
         t = s2
     if HAS_ALIBI:
         # -slope * |i + off - j|, in log2 units
