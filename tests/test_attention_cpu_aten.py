@@ -133,10 +133,10 @@ def test_plan_covers_each_visible_pair_once(Sq, Sk, c, min_block, key_chunk, mon
 
 
 def test_causal_cut_levels():
-    """A square of 2048 with blocks of 128: diagonal blocks (one call) and four levels of rectangles."""
+    """A square of 2048 cut to blocks of 256: diagonal blocks (one call) and three levels of rectangles."""
     parts = aten._plan(2048, 2048, 0)
     assert [(p.rows.n, p.rows.size, p.causal) for p in parts] == [
-        (16, 128, True), (1, 1024, False), (2, 512, False), (4, 256, False), (8, 128, False)]
+        (8, 256, True), (1, 1024, False), (2, 512, False), (4, 256, False)]
 
 
 def test_large_lse_takes_the_chunked_path(calls):
