@@ -61,6 +61,12 @@ SERVED = [
     case("causal-bhsd", Sq=32, Sk=32, causal=True, layout="bhsd"),
     case("bhsd-strides", Sq=17, Sk=33, layout="bhsd"),
     case("scale", Sq=20, Sk=20, causal=True, scale=0.3),
+    case("gqa-4/2", B=2, Sq=17, Sk=33, Hq=4, Hkv=2),
+    case("gqa-6/1-causal", B=2, Sq=32, Sk=32, Hq=6, Hkv=1, causal=True),
+    case("gqa-4/2-causal-offset", B=2, Sq=32, Sk=48, Hq=4, Hkv=2, causal=True, causal_offset=16),
+    case("gqa-4/2-causal-Sq>Sk-off", B=2, Sq=40, Sk=20, Hq=4, Hkv=2, causal=True, causal_offset=4),
+    case("gqa-8/2-causal-decode", B=1, Sq=1, Sk=100, Hq=8, Hkv=2, causal=True, causal_offset=99),
+    case("gqa-4/2-causal-bhsd", B=2, Sq=16, Sk=16, Hq=4, Hkv=2, causal=True, layout="bhsd"),
 ]
 
 
@@ -89,7 +95,6 @@ NOT_SERVED = {
     "window-right": dict(params=_params(window_right=2)),
     "causal-negative-offset": dict(params=_params(window_right=0, offset=-1)),
     "causal-offset-tensor": dict(params=_params(window_right=0, offset_tensor=torch.tensor([0, 0]).int())),
-    "gqa": dict(Hkv=1),
     "dv-not-d": dict(Dv=8),
     "float64": dict(dtype=torch.float64),
     "varlen": dict(params=_params(cu_seqlens_q=torch.tensor([0, 3]).int(), cu_seqlens_k=torch.tensor([0, 3]).int())),

@@ -8,12 +8,14 @@ routes to the kernel exactly the calls it computes as SPEC section 2 defines the
 (`serves`):
 
 * CPU tensors; float32, bfloat16 or float16, always computed in float32 (our accumulation
-  rule: low-precision inputs are upcast once, O(B·S·H·D), rather than handed to the
-  kernel's reduced-precision path, which rounds P to the input dtype before its matmuls);
-  float64 (gradcheck) stays on the chunked path;
+  rule: low-precision inputs are upcast, O(B·S·H·D), rather than handed to the kernel's
+  reduced-precision path, which rounds P to the input dtype before its matmuls and runs a
+  decoding step ~4x slower here); float64 (gradcheck) stays on the chunked path;
 * a dense call (no packed batch, KV cache or in-kernel RoPE), no mask, no dropout, no
-  softcap, no ALiBi, ``Hq == Hkv`` (the kernel pairs query head h with kv head h) and
-  ``D == Dv``;
+  softcap, no ALiBi, and ``D == Dv``.  Grouped-query attention is run with the kernel's
+  query and kv heads paired one to one (only recent kernels know GQA; older ones index K by
+  the query head): the G query heads of a kv head become G rows per query (``_to_rows``),
+  so K and V are never repeated;
 * no window, or causal (``window = (-1, 0)``) with one int offset ``c >= 0`` (every query
   sees key 0, so no row is fully masked: the kernel would give such a row lse 0, not -inf).
 
@@ -25,8 +27,8 @@ The triangle is cut in halves, ``L`` times over: the diagonal blocks (one causal
 the blocks stacked as a batch: views, no copies) and at each level the rectangles below
 the diagonal (one plain call per level).  The kernel itself skips whole 512-key blocks only:
 of a square of 512, 1024, 2048 queries it computes 1.0, 0.75, 0.62; cut down to blocks of
-256 (`MIN_BLOCK`), 0.75, 0.62, 0.56.  Each call returns its part of the rows' softmax with its own lse; the forward
-merges the parts by their lse, the backward runs each part's backward against the whole
+256 (`MIN_BLOCK`), 0.75, 0.62, 0.56.  Each call returns its part of the rows' softmax with
+its own lse; the forward merges the parts by their lse, the backward runs each part's backward against the whole
 rows' o and lse (which is all the FA2 backward needs) and sums the parts' gradients.
 
 The log-sum-exp for the backward (`flashforge.ops.params`): the kernel returns lse rounded
@@ -70,7 +72,7 @@ def serves(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], params: Attn
     if (q.device.type != "cpu" or q.dtype not in _DTYPES or mask is not None or p.is_varlen
             or p.seqlens_k is not None or p.q_rope is not None or p.has_dropout or p.softcap > 0
             or p.alibi_slopes is not None or p.window_left >= 0 or p.window_right > 0
-            or q.shape[2] != k.shape[2] or q.shape[3] != v.shape[3]):
+            or q.shape[3] != v.shape[3]):
         return False
     return p.window_right < 0 or (p.offset_tensor is None and _causal_offset(p, q.shape[1], k.shape[1]) >= 0)
 
@@ -178,67 +180,138 @@ def _parts(q: Tensor, k: Tensor, params: AttnParams, key_chunk: Optional[int] = 
     return _plan(Sq, Sk, None if params.window_right < 0 else _causal_offset(params, Sq, Sk), key_chunk)
 
 
+# Grouped-query attention without repeating K/V: the G query heads of a kv head become G rows
+# per query, ``[B, Sq, Hkv*G, E]`` -> ``[B, Sq*G, Hkv, E]`` (row i*G + g = query i of head
+# hkv*G + g), and each kernel call sees Hkv heads.  A plain call takes those rows as they come
+# (its rows are independent); a causal one needs each row's own query position, so it runs once
+# per g on the rows of that g (a strided view).  G = 1 is the identity, without copies.
+
+def _to_rows(x: Tensor, G: int) -> Tensor:
+    """``[B, S, H, E]`` -> ``[B, S*G, H/G, E]`` in float32 (a copy when G > 1)."""
+    if G == 1:
+        return _f32(x)
+    B, S, H, E = x.shape
+    out = torch.empty(B, S, G, H // G, E, dtype=torch.float32, device=x.device)
+    return out.copy_(x.unflatten(2, (H // G, G)).transpose(2, 3)).view(B, S * G, H // G, E)
+
+
+def _from_rows(x: Tensor, G: int, dtype: torch.dtype) -> Tensor:
+    """``[B, S*G, Hkv, E]`` -> a fresh contiguous ``[B, S, Hkv*G, E]`` in ``dtype``."""
+    B, SG, Hkv, E = x.shape
+    out = torch.empty(B, SG // G, Hkv * G, E, dtype=dtype, device=x.device)
+    out.view(B, SG // G, Hkv, G, E).copy_(x.view(B, SG // G, G, Hkv, E).transpose(2, 3))
+    return out
+
+
+def _lse_to_rows(lse: Tensor, G: int) -> Tensor:
+    """``[B, Hq, S]`` -> ``[B, Hkv, S*G]``."""
+    if G == 1:
+        return lse
+    B, H, S = lse.shape
+    return lse.view(B, H // G, G, S).transpose(2, 3).reshape(B, H // G, S * G)
+
+
+def _lse_from_rows(lse: Tensor, G: int) -> Tensor:
+    """``[B, Hkv, S*G]`` -> a contiguous ``[B, Hq, S]``."""
+    B, Hkv, SG = lse.shape
+    return lse.view(B, Hkv, SG // G, G).transpose(2, 3).reshape(B, Hkv * G, SG // G)
+
+
+def _scaled(rows: _Sel, G: int) -> _Sel:
+    """Query positions -> their rows in the row layout (G rows each)."""
+    return rows if G == 1 else _Sel(rows.base * G, rows.n, rows.stride * G, rows.inner * G, rows.size * G)
+
+
+def _calls(part: _Part, G: int, *rows_tensors: Tensor):
+    """The kernel calls of one part: (rows sel, the row-layout tensors' views) for each; the views
+    are ``[B, S', Hkv, E]`` and ``[B, Hkv, S']`` (lse), the sel indexes their dim S'."""
+    if G == 1 or not part.causal:
+        yield _scaled(part.rows, G), rows_tensors
+        return
+    for g in range(G):
+        yield part.rows, tuple(t.unflatten(2, (-1, G))[..., g] if t.dim() == 3 else t.unflatten(1, (-1, G))[:, :, g]
+                          for t in rows_tensors)
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tuple[Tensor, Tensor]:
-    """``o [B, Sq, H, D]`` in q's dtype and ``lse [B, H, Sq]`` (float32) of a call `serves` accepts."""
-    B, Sq, H, D = q.shape
-    q32 = _f32(q)
+    """``o [B, Sq, Hq, D]`` in q's dtype and ``lse [B, Hq, Sq]`` (float32) of a call `serves` accepts."""
+    B, Sq, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    qr = _to_rows(q, G)  # [B, Sq*G, Hkv, D]
     # Low-precision keys and values are upcast a part at a time, and plain parts take them
     # KEY_CHUNK at a time: a copy that small stays in cache for the kernel to read, where a
     # whole one would cost a decoding step (one query, all keys) more than the attention.
     key_chunk = None if k.dtype == torch.float32 else KEY_CHUNK
     parts = _parts(q, k, params, key_chunk)
-    if len(parts) == 1:  # one call over every row and key: the most common, and the one the views cost most
-        o, lse = _FWD(q32.transpose(1, 2), _f32(k).transpose(1, 2), _f32(v).transpose(1, 2), 0.0, parts[0].causal,
-                      scale=params.scale)
-        return o.transpose(1, 2).to(dtype=q.dtype, memory_format=torch.contiguous_format), lse.contiguous()
-    o = lse = None
+    if len(parts) == 1 and (G == 1 or not parts[0].causal):  # one call: the most common, and the one
+        o, lse = _FWD(qr.transpose(1, 2), _f32(k).transpose(1, 2), _f32(v).transpose(1, 2), 0.0,  # views cost most
+                      parts[0].causal, scale=params.scale)
+        if G == 1:
+            return o.transpose(1, 2).to(dtype=q.dtype, memory_format=torch.contiguous_format), lse.contiguous()
+        return _from_rows(o.transpose(1, 2), G, q.dtype), _lse_from_rows(lse, G)
+    o = lse = None  # [B, Sq*G, Hkv, D], [B, Hkv, Sq*G]
     for part in parts:
-        o_p, lse_p = _FWD(_batch(q32, part.rows), _f32(_batch(k, part.keys)), _f32(_batch(v, part.keys)), 0.0,
-                          part.causal, scale=params.scale)
-        o_p = _unbatch(o_p.transpose(1, 2), B)  # [B, n, size, H, D]
-        lse_p = _unbatch(lse_p, B).transpose(1, 2)  # [B, H, n, size]
+        k_p, v_p = _f32(_batch(k, part.keys)), _f32(_batch(v, part.keys))
+        if o is None and (G == 1 or not part.causal) and part.rows.n * part.rows.size == Sq:
+            # the first call covers every row: its outputs become the accumulators
+            o_p, lse_p = _FWD(_batch(qr, _scaled(part.rows, G)), k_p, v_p, 0.0, part.causal, scale=params.scale)
+            o = o_p.transpose(1, 2).reshape(qr.shape)
+            lse = _unbatch(lse_p, B).transpose(1, 2).reshape(B, qr.shape[2], qr.shape[1])
+            continue
         if o is None:
-            if part.rows.n * part.rows.size == Sq:  # it covers every row: its outputs are ours
-                o, lse = o_p.reshape(B, Sq, H, D), lse_p.reshape(B, H, Sq)
-                continue
-            o = torch.empty(B, Sq, H, D, dtype=torch.float32, device=q.device)
-            lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
-        o_at, lse_at = part.rows.of(o), part.rows.of(lse, 2)
-        if part.first:
-            o_at.copy_(o_p)
-            lse_at.copy_(lse_p)
-        else:
-            # softmax over the union of two key sets: weights e^lse / (e^lse + e^lse_p), i.e.
-            # sigmoid(lse_p - lse) for the new part; every row here sees a key of each, so both lse are finite
-            w = torch.sigmoid(lse_p - lse_at)  # [B, H, n, size]
-            o_at.lerp_(o_p, w.permute(0, 2, 3, 1).unsqueeze(-1))
-            lse_at.copy_(torch.logaddexp(lse_at, lse_p))
-    return o.to(dtype=q.dtype, memory_format=torch.contiguous_format), lse.contiguous()
+            o = torch.empty(qr.shape, dtype=torch.float32, device=q.device)
+            lse = torch.empty(B, qr.shape[2], qr.shape[1], dtype=torch.float32, device=q.device)
+        for rows, (q_c, o_c, lse_c) in _calls(part, G, qr, o, lse):
+            o_p, lse_p = _FWD(_batch(q_c, rows), k_p, v_p, 0.0, part.causal, scale=params.scale)
+            o_p = _unbatch(o_p.transpose(1, 2), B)  # [B, n, size, Hkv, D]
+            lse_p = _unbatch(lse_p, B).transpose(1, 2)  # [B, Hkv, n, size]
+            o_at, lse_at = rows.of(o_c), rows.of(lse_c, 2)
+            if part.first:
+                o_at.copy_(o_p)
+                lse_at.copy_(lse_p)
+            else:
+                # softmax over the union of two key sets: weights e^lse / (e^lse + e^lse_p), i.e.
+                # sigmoid(lse_p - lse) for the new part; every row here sees a key of each, so both are finite
+                w = torch.sigmoid(lse_p - lse_at)  # [B, Hkv, n, size]
+                o_at.lerp_(o_p, w.permute(0, 2, 3, 1).unsqueeze(-1))
+                lse_at.copy_(torch.logaddexp(lse_at, lse_p))
+    if G == 1:
+        return o.to(q.dtype), lse
+    return _from_rows(o, G, q.dtype), _lse_from_rows(lse, G)
 
 
 def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
              params: AttnParams) -> tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` (shaped and typed like q, k, v) of `forward`'s call, from its o and lse; no lse gradient."""
-    B, Sq, H, D = q.shape
-    Sk = k.shape[1]
-    q32, k32, v32, do32, o32 = _f32(q), _f32(k), _f32(v), _f32(do), _f32(o)
+    G = q.shape[2] // k.shape[2]
+    qr, dor, o_r, lse_r = _to_rows(q, G), _to_rows(do, G), _to_rows(o, G), _lse_to_rows(lse, G)
+    k32, v32 = _f32(k), _f32(v)
     parts = _parts(q, k, params)
-    if len(parts) == 1:
-        grads = _BWD(do32.transpose(1, 2), q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
-                     o32.transpose(1, 2), lse, 0.0, parts[0].causal, scale=params.scale)
-        return tuple(g.transpose(1, 2).to(x.dtype) for g, x in zip(grads, (q, k, v)))
-    dq = dk = dv = None
-    for part in parts:
-        rows, keys = part.rows, part.keys
-        grads = _BWD(_batch(do32, rows), _batch(q32, rows), _batch(k32, keys), _batch(v32, keys), _batch(o32, rows),
-                     _batch_lse(lse, rows), 0.0, part.causal, scale=params.scale)
-        dq_p, dk_p, dv_p = (_unbatch(g.transpose(1, 2), B) for g in grads)
-        if dq is None:
-            if rows.n * rows.size == Sq and keys.base == 0 and keys.n * keys.size == Sk:
-                dq, dk, dv = dq_p.reshape(q.shape), dk_p.reshape(k.shape), dv_p.reshape(v.shape)
+    if len(parts) == 1 and (G == 1 or not parts[0].causal):
+        dq, dk, dv = _BWD(dor.transpose(1, 2), qr.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
+                          o_r.transpose(1, 2), lse_r, 0.0, parts[0].causal, scale=params.scale)
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    else:
+        dq = dk = dv = None
+        for part in parts:
+            keys = part.keys
+            k_p, v_p = _batch(k32, keys), _batch(v32, keys)
+            if dq is None and (G == 1 or not part.causal) and part.rows.n * part.rows.size == q.shape[1] \
+                    and keys.base == 0 and keys.n * keys.size == k.shape[1]:
+                # the first call covers every row and key: its gradients become the accumulators
+                rows = _scaled(part.rows, G)
+                grads = _BWD(_batch(dor, rows), _batch(qr, rows), k_p, v_p, _batch(o_r, rows), _batch_lse(lse_r, rows),
+                             0.0, part.causal, scale=params.scale)
+                dq, dk, dv = (g.transpose(1, 2).reshape(x.shape) for g, x in zip(grads, (qr, k, v)))
                 continue
-            dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in (q, k, v))
-        rows.of(dq).add_(dq_p)
-        keys.of(dk).add_(dk_p)
-        keys.of(dv).add_(dv_p)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            if dq is None:
+                dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in (qr, k, v))
+            for rows, (do_c, q_c, o_c, dq_c, lse_c) in _calls(part, G, dor, qr, o_r, dq, lse_r):
+                grads = _BWD(_batch(do_c, rows), _batch(q_c, rows), k_p, v_p, _batch(o_c, rows),
+                             _batch_lse(lse_c, rows), 0.0, part.causal, scale=params.scale)
+                dq_p, dk_p, dv_p = (_unbatch(g.transpose(1, 2), q.shape[0]) for g in grads)
+                rows.of(dq_c).add_(dq_p)
+                keys.of(dk).add_(dk_p)
+                keys.of(dv).add_(dv_p)
+    dq = dq.to(q.dtype) if G == 1 else _from_rows(dq, G, q.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
