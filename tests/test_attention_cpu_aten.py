@@ -52,6 +52,7 @@ SERVED = [
     case("S32-causal", B=2, Sq=32, Sk=32, Hq=3, Hkv=3, causal=True),
     case("S1000-causal", B=1, Sq=1000, Sk=1000, Hq=1, Hkv=1, D=16, causal=True),
     case("Sq17-Sk40", B=1, Sq=17, Sk=40, D=64),
+    case("Sq64-Sk80", B=1, Sq=64, Sk=80, D=40),  # bfloat16: the kernel's own bfloat16 path
     case("decode-Sq1-Sk97", Sq=1, Sk=97, D=16),
     case("causal-offset+8", Sq=16, Sk=24, causal=True, causal_offset=8),
     case("causal-offset+5-Sk>Sq+off", Sq=16, Sk=40, causal=True, causal_offset=5),
@@ -175,3 +176,18 @@ def test_bitwise_reproducible(dtype, small_blocks, calls):
     assert calls == {"fwd": 2, "bwd": 2}
     for a, b in itertools.zip_longest(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("Sq,Sk,want", [(64, 80, torch.bfloat16), (64, 600, torch.float32), (8, 80, torch.float32)])
+def test_bfloat16_runs_natively_only_when_short(Sq, Sk, want, monkeypatch):
+    """A bfloat16 call of >= 64 queries and <= NATIVE_MAX_KEYS keys runs the kernel in bfloat16,
+    others on float32 copies; both against the reference."""
+    seen = []
+
+    def fwd(q, *args, **kw):
+        seen.append(q.dtype)
+        return aten_fwd(q, *args, **kw)
+    aten_fwd = aten._FWD
+    monkeypatch.setattr(aten, "_FWD", fwd)
+    check_case(Case(B=1, Sq=Sq, Sk=Sk, D=40, lse_grad=False), "torch", dtype=torch.bfloat16)
+    assert seen and set(seen) == {want}

@@ -7,10 +7,12 @@ spends most of its time in the separate passes torch ops make over each tile.  T
 routes to the kernel exactly the calls it computes as SPEC section 2 defines them
 (`serves`):
 
-* CPU tensors; float32, bfloat16 or float16, always computed in float32 (our accumulation
-  rule: low-precision inputs are upcast, O(B·S·H·D), rather than handed to the kernel's
-  reduced-precision path, which rounds P to the input dtype before its matmuls and runs a
-  decoding step ~4x slower here); float64 (gradcheck) stays on the chunked path;
+* CPU tensors; float32, bfloat16 or float16, computed in float32: low-precision inputs are
+  upcast, O(B·S·H·D), rather than handed to the kernel's reduced-precision path, which runs
+  a decoding step ~4x slower here, float16 matmuls ~2x slower, and every backward ~8x
+  slower.  The exception, short bfloat16 calls (`NATIVE_MAX_KEYS`), rounds P to bfloat16
+  before P·V, as flash-attn and our Triton kernels do.  float64 (gradcheck) stays on the
+  chunked path;
 * a dense call (no packed batch, KV cache or in-kernel RoPE), no mask, no dropout, no
   softcap, no ALiBi, and ``D == Dv``.  Grouped-query attention is run with the kernel's
   query and kv heads paired one to one (only recent kernels know GQA; older ones index K by
@@ -60,6 +62,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LSE_BOUND = 64.0
 #: Keys per kernel call for low-precision inputs, upcast one such chunk at a time (`forward`).
 KEY_CHUNK = 1024
+#: A bfloat16 call of one kernel call, >= 64 queries and at most this many keys, runs the kernel
+#: in bfloat16: there the float32 copies (fresh pages) cost more than its bfloat16 matmuls lose
+#: (S = 512: 0.86-1.08x SDPA upcast, 1.0x native), while with fewer queries they run ~4x slower.
+NATIVE_MAX_KEYS = 512
 #: Smallest diagonal block of the causal cut: halving stops before blocks get smaller than this.
 #: Each level costs one more call and a merge over half the rows, and the kernel runs calls of
 #: fewer than 192 queries in 32-row blocks, less efficiently: 128 measured no better on 1 thread.
@@ -243,6 +249,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tuple[Tensor
     # whole one would cost a decoding step (one query, all keys) more than the attention.
     key_chunk = None if k.dtype == torch.float32 else KEY_CHUNK
     parts = _parts(q, k, params, key_chunk)
+    if len(parts) == 1 and G == 1 and q.dtype == torch.bfloat16 and Sq >= 64 and k.shape[1] <= NATIVE_MAX_KEYS:
+        o, lse = _FWD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, parts[0].causal, scale=params.scale)
+        return o.transpose(1, 2).contiguous(), lse.contiguous()
     if len(parts) == 1 and (G == 1 or not parts[0].causal):  # one call: the most common, and the one
         o, lse = _FWD(qr.transpose(1, 2), _f32(k).transpose(1, 2), _f32(v).transpose(1, 2), 0.0,  # views cost most
                       parts[0].causal, scale=params.scale)
