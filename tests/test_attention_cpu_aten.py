@@ -74,9 +74,10 @@ SERVED = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("c", SERVED)
 def test_served_against_reference(c, dtype, small_blocks, calls):
-    """o, lse, dq, dk, dv against float64 (helpers.compare); the backward is the kernel's unless
-    lse has a gradient (the kernel has none)."""
-    check_case(c, "torch", dtype=dtype)
+    """o, lse, dq, dk, dv against float64 (helpers.compare), o and lse contiguous; the backward is
+    the kernel's unless lse has a gradient (the kernel has none)."""
+    ours = check_case(c, "torch", dtype=dtype)
+    assert ours["o"].is_contiguous() and ours["lse"].is_contiguous()
     assert calls["fwd"] == 1
     assert calls["bwd"] == (0 if c.lse_grad else 1)
     check_case(with_(c, lse_grad=False), "torch", dtype=dtype)

@@ -220,7 +220,7 @@ def _lse_to_rows(lse: Tensor, G: int) -> Tensor:
 def _lse_from_rows(lse: Tensor, G: int) -> Tensor:
     """``[B, Hkv, S*G]`` -> a contiguous ``[B, Hq, S]``."""
     B, Hkv, SG = lse.shape
-    return lse.view(B, Hkv, SG // G, G).transpose(2, 3).reshape(B, Hkv * G, SG // G)
+    return lse.view(B, Hkv, SG // G, G).transpose(2, 3).reshape(B, Hkv * G, SG // G).contiguous()
 
 
 def _scaled(rows: _Sel, G: int) -> _Sel:
@@ -243,7 +243,6 @@ def forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tuple[Tensor
     """``o [B, Sq, Hq, D]`` in q's dtype and ``lse [B, Hq, Sq]`` (float32) of a call `serves` accepts."""
     B, Sq, Hq, D = q.shape
     G = Hq // k.shape[2]
-    qr = _to_rows(q, G)  # [B, Sq*G, Hkv, D]
     # Low-precision keys and values are upcast a part at a time, and plain parts take them
     # KEY_CHUNK at a time: a copy that small stays in cache for the kernel to read, where a
     # whole one would cost a decoding step (one query, all keys) more than the attention.
@@ -252,11 +251,12 @@ def forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tuple[Tensor
     if len(parts) == 1 and G == 1 and q.dtype == torch.bfloat16 and Sq >= 64 and k.shape[1] <= NATIVE_MAX_KEYS:
         o, lse = _FWD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, parts[0].causal, scale=params.scale)
         return o.transpose(1, 2).contiguous(), lse.contiguous()
+    qr = _to_rows(q, G)  # [B, Sq*G, Hkv, D]
     if len(parts) == 1 and (G == 1 or not parts[0].causal):  # one call: the most common, and the one
         o, lse = _FWD(qr.transpose(1, 2), _f32(k).transpose(1, 2), _f32(v).transpose(1, 2), 0.0,  # views cost most
                       parts[0].causal, scale=params.scale)
         if G == 1:
-            return o.transpose(1, 2).to(dtype=q.dtype, memory_format=torch.contiguous_format), lse.contiguous()
+            return o.transpose(1, 2).to(q.dtype).contiguous(), lse.contiguous()
         return _from_rows(o.transpose(1, 2), G, q.dtype), _lse_from_rows(lse, G)
     o = lse = None  # [B, Sq*G, Hkv, D], [B, Hkv, Sq*G]
     for part in parts:
@@ -285,7 +285,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tuple[Tensor
                 o_at.lerp_(o_p, w.permute(0, 2, 3, 1).unsqueeze(-1))
                 lse_at.copy_(torch.logaddexp(lse_at, lse_p))
     if G == 1:
-        return o.to(q.dtype), lse
+        return o.to(q.dtype).contiguous(), lse.contiguous()
     return _from_rows(o, G, q.dtype), _lse_from_rows(lse, G)
 
 
