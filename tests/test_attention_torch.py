@@ -5,23 +5,30 @@ tile sizes, where these small shapes fit in one tile.  Here the tiles are
 shrunk (`small_tiles`) so that every case crosses query-block and key-chunk
 boundaries, tile skipping is checked against the visibility rule, float64
 inputs are checked directly and by gradcheck, and low-precision inputs go
-through the same path.
+through the same path.  `small_tiles` also turns off the route to PyTorch's own
+kernel (`flashforge.ops.attention_cpu_aten`, tested in tests/test_attention_cpu_aten.py),
+so the plain cases exercise the chunks too.  Extreme logits are checked on the
+default route: there the kernel's float32 lse is too coarse and the chunked path
+(with ``lse_lo``) serves them.
 """
 import pytest
 import torch
 
+import flashforge
 from flashforge import reference
 from flashforge.autograd.attention import attention_function
-from flashforge.ops import attention_torch
+from flashforge.ops import attention_cpu_aten, attention_torch
 from flashforge.ops.params import AttnParams
-from helpers import Case, check_case, make_inputs, run_flashforge
+from helpers import FLOOR, Case, check_case, make_inputs, run_flashforge, run_reference
 
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Query blocks of 8 rows and key chunks of 5: uneven, so tiles straddle every boundary."""
+    """Query blocks of 8 rows and key chunks of 5: uneven, so tiles straddle every boundary;
+    every call takes the chunked path."""
     monkeypatch.setattr(attention_torch, "QUERY_BLOCK", 8)
     monkeypatch.setattr(attention_torch, "KEY_CHUNK", 5)
+    monkeypatch.setattr(attention_cpu_aten, "serves", lambda *args: False)
 
 
 def case(id, **kw):
@@ -72,6 +79,61 @@ CASES = [
 def test_chunked_against_reference(c, small_tiles):
     """o, lse, dq, dk, dv, dmask against float64 (helpers.compare), inputs unchanged, no NaN."""
     check_case(c, "torch")
+
+
+EXTREME = [  # (dtype, |q|, |k| scale): scores of 1e6-1e8, where one ulp of a float32 lse is 0.06-8
+    pytest.param(torch.float16, 1e4, id="fp16-1e4"),
+    pytest.param(torch.bfloat16, 3e3, id="bf16-3e3"),
+    pytest.param(torch.float32, 1e3, id="fp32-1e3"),
+    pytest.param(torch.float32, 1e4, id="fp32-1e4"),
+]
+ROW_SUM_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("variant", [
+    pytest.param({}, id="plain"),
+    pytest.param({"causal": True}, id="causal"),
+    pytest.param({"Hq": 4, "Hkv": 2}, id="gqa-4/2"),
+])
+@pytest.mark.parametrize("shifted", [pytest.param(False, id="spread"), pytest.param(True, id="shifted")])
+@pytest.mark.parametrize("dtype,mag", EXTREME)
+def test_extreme_logits_gradients(dtype, mag, shifted, variant):
+    """Logits of ~scale * mag**2: with dO = 1 each kv head's v.grad summed over keys is (query heads
+    per kv head) x Sq, i.e. every row of the P the backward recomputes sums to 1; and where float32
+    scores can be right at all ("spread"), o and the gradients match the float64 reference.
+
+    "spread": q and k ~ mag * randn, so each row's softmax is one-hot.  "shifted": q and k are
+    randn but for a first component of mag, so every score is the same huge number plus O(1): P is
+    spread over many keys, lse = m + log(l) is rounded to an ulp of m, and P recomputed from a
+    float32 lse alone misses by up to e**8 (the lse_lo contract, flashforge.ops.params).  The
+    scores themselves carry that ulp, so there no float32 attention matches the float64 reference.
+
+    The reference tolerance is the dtype's rounding floor relative to each result's natural size:
+    the reference's dq and dk are ~0 where softmax is one-hot, and what remains of ours is float32
+    rounding of dS (~1e-7) times the other operand (~mag); PyTorch's own float16 run of the
+    reference overflows."""
+    c = Case(B=1, Sq=16, Sk=16, D=16, input_scale=1.0 if shifted else mag, lse_grad=False, **variant)
+    inputs = make_inputs(c, "cpu", dtype)
+    if shifted:
+        for t in (inputs.q, inputs.k):
+            t.detach()[..., 0] = mag
+    ours = run_flashforge(c, inputs, "torch")
+    for name in ("o", "dq", "dk", "dv"):
+        assert torch.isfinite(ours[name]).all(), name
+    if not shifted:
+        ref = run_reference(c, inputs, torch.float64)
+        q, k, v, do = (t.detach().double().abs().max().item() for t in (inputs.q, inputs.k, inputs.v, inputs.do))
+        scale = c.D ** -0.5
+        natural = {"o": v, "dq": scale * k * v * do, "dk": scale * q * v * do, "dv": 0.0}
+        for name, size in natural.items():
+            err = (ours[name].double() - ref[name]).abs().max().item()
+            tol = FLOOR[dtype] * max(1.0, size, ref[name].abs().max().item())
+            assert err <= tol, f"{name}: max error {err:.3e} > {tol:.3e}"
+
+    o = flashforge.attention(inputs.q, inputs.k, inputs.v, causal=c.causal, backend="torch")
+    (dv,) = torch.autograd.grad(o, inputs.v, torch.ones_like(o))
+    want = torch.full_like(dv[:, 0].float(), c.Sq * c.Hq // c.Hkv)
+    torch.testing.assert_close(dv.float().sum(dim=1), want, rtol=ROW_SUM_RTOL[dtype], atol=0)
 
 
 @pytest.mark.parametrize("tiles", [(1, 1), (3, 7), (16, 2), (256, 256)])

@@ -1,5 +1,10 @@
 """The PyTorch attention path (CPU, or any device with ``backend="torch"``).
 
+Dense CPU calls without mask, dropout, softcap, ALiBi or GQA (plain or causal) go to
+PyTorch's own fused CPU flash kernel (`flashforge.ops.attention_cpu_aten`, which says
+exactly which calls and why); everything else, and those calls at logits too large
+for the kernel's float32 lse, runs the chunked path below.
+
 Exact attention, flash style: queries in blocks of `QUERY_BLOCK` rows, keys in
 chunks of `KEY_CHUNK` (wider for short query blocks), an online softmax
 (running max ``m``, sum ``l``, accumulator) across the chunks, and a backward
@@ -35,6 +40,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
+from . import attention_cpu_aten as aten
 from .dropout import keep_block
 from .params import AttnParams
 from .rope_torch import rope
@@ -324,6 +330,14 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
         return _varlen_forward(q, k, v, params, lse_lo)
     if params.seqlens_k is not None:
         return _kvcache_forward(q, k, v, params)
+    if aten.serves(q, k, v, mask, params):
+        o, lse = aten.forward(q, k, v, params)
+        # a backward will follow (lse_lo asked for): past the bound only the chunked forward
+        # writes the lse_lo it needs, so the kernel's result is dropped (rare: diverging logits)
+        if lse_lo is None or aten.exact_lse(lse):
+            if lse_lo is not None:
+                lse_lo.zero_()
+            return o, lse
     t = _Tiles(q, k, v, mask, params)
     B, Hq, G, Sq = t.B, t.Hq, t.G, t.Sq
     BH, Dv = B * t.Hkv, v.shape[-1]
@@ -385,6 +399,8 @@ def attention_backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor,
     """
     if params.is_varlen:
         return (*_varlen_backward(do, dlse, q, k, v, o, lse, lse_lo, params), None)
+    if dlse is None and aten.serves(q, k, v, mask, params) and aten.exact_lse(lse):
+        return (*aten.backward(do, q, k, v, o, lse, params), None)
     t = _Tiles(q, k, v, mask, params)
     G = t.G
     do_g = _group_rows(do, t.Hkv, t.acc)  # [BH, Sq*G, Dv]

@@ -34,7 +34,9 @@ units); 0 on rows that see no key.  ``attention_backward(..., lse_lo=None)`` rec
 run), one ulp of a float32 lse is 0.06-8 and P from lse alone is off by up to a factor of
 e**8 per row; with lse_lo each row of P sums to 1 to float32 rounding.  The first
 subtraction is exact near the row's maximum (the two terms are close), the second one
-adds a small number to a small number.  ``lse_lo=None`` in the backward means 0.
+adds a small number to a small number.  ``lse_lo=None`` in the backward means 0.  Where
+|lse| <= 64 the term is below 5e-6 and a backend may write 0 (PyTorch's CPU kernel, which
+has no such output: `flashforge.ops.attention_cpu_aten`).
 """
 from __future__ import annotations
 
