@@ -112,8 +112,8 @@ def attention_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tenso
                   deterministic: bool, allow_tf32: bool, max_seqlen_q: int, max_seqlen_k: int, backend: str,
                   need_dmask: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dmask); dmask is float32 of the mask's shape, or empty when not asked for."""
-    return _backward_impl(do, dlse, q, k, v, mask, o, lse, lse_lo, offset_tensor, alibi_slopes, seed_tensor, cu_seqlens_q,
-                          cu_seqlens_k, scale, window_left, window_right, offset, offset_bottom_right, softcap,
+    return _backward_impl(do, dlse, q, k, v, mask, o, lse, lse_lo, offset_tensor, alibi_slopes, seed_tensor,
+                          cu_seqlens_q, cu_seqlens_k, scale, window_left, window_right, offset, offset_bottom_right, softcap,
                           dropout_p, seed, deterministic, allow_tf32, max_seqlen_q, max_seqlen_k, backend,
                           need_dmask)
 

@@ -132,7 +132,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     # the window is over global positions: W * S_local queries and as many keys
     params, _, backend = build_params(
-        q, q.shape[0], 2 * group.size() * q.shape[1], causal=causal, causal_offset=0, window=window, dropout_p=0.0, seed=None, scale=scale,
+        q, q.shape[0], 2 * group.size() * q.shape[1], causal=causal, causal_offset=0, window=window, dropout_p=0.0,
+        seed=None, scale=scale,
         softcap=softcap, alibi_slopes=None, deterministic=deterministic, allow_tf32=False, backend=None)
     q, k, v = unit_last_stride(q, k, v)
     o, lse = ops.cp_attention_fwd(

@@ -23,9 +23,9 @@ def call_params(params: AttnParams, call: Call) -> AttnParams:
 
 def forward(q: Tensor, k: Tensor, v: Tensor, call: Call, params: AttnParams, backend: str) -> tuple[Tensor, Tensor]:
     """(o, lse) of the call's query rows of ``q`` against its rows of the block ``k``, ``v``."""
-    out = backend_module("attention", backend).attention_forward(
+    # (no lse_lo: the backward takes the merged lse of every block, which has no low part)
+    return backend_module("attention", backend).attention_forward(
         q[:, call.q0:call.q1], k[:, call.k0:call.k1], v[:, call.k0:call.k1], None, call_params(params, call))
-    return out[0], out[1]  # a third output (an lse correction) is only for a backward of this call alone
 
 
 def backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,

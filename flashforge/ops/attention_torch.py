@@ -261,10 +261,8 @@ def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams,
         lse_lo.zero_()  # rows of no sequence (past the last cu_seqlens_q entry) included
     for _, rq, rk, one in _sequences(params, q.shape[1], k.shape[1]):
         if rq.stop > rq.start and rk.stop > rk.start:
-            lo = None if lse_lo is None else torch.empty_like(lse[:, :, rq])
-            o[:, rq], lse[:, :, rq] = attention_forward(q[:, rq], k[:, rk], v[:, rk], None, one, lse_lo=lo)
-            if lo is not None:
-                lse_lo[:, :, rq] = lo
+            o[:, rq], lse[:, :, rq] = attention_forward(q[:, rq], k[:, rk], v[:, rk], None, one,
+                                                        lse_lo=None if lse_lo is None else lse_lo[:, :, rq])
     return o, lse
 
 

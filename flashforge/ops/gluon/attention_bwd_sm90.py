@@ -19,7 +19,8 @@ reason, ops/gluon/attention_fwd_sm90.py):
   once dP is done, K's only after dQ += dS K).
 
 Both recompute P = exp2(S * scale * log2(e) - lse * log2(e) - lse_lo) from the forward's
-lse and its low part (HAS_LO; `flashforge.ops.params`).  delta = rowsum(o * dO) - dlse: when both kernels serve a call, the dQ kernel (run
+lse and its low part (HAS_LO; `flashforge.ops.params`).  delta = rowsum(o * dO) - dlse: when
+both kernels serve a call, the dQ kernel (run
 first) computes it for its rows and stores it for the dK/dV kernel (DELTA_HERE: no
 preprocess kernel, one launch fewer a step); otherwise the portable preprocess kernel does.
 Rows past a sequence's end (dense, or packed through ragged descriptors: see
@@ -334,9 +335,11 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         load_rows(v_desc, v_ring, v_bars, V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
         if n_full > 0:
-            ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False, CAUSAL, BLOCK_N, HAS_LO)
+            ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False, CAUSAL, BLOCK_N,
+                          HAS_LO)
         else:
-            ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True, CAUSAL, BLOCK_N, HAS_LO)
+            ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True, CAUSAL, BLOCK_N,
+                          HAS_LO)
         ds = gl.convert_layout(ds.to(dtype), op_layout)
         for j in range(1, n_tiles):
             wait(k_bars, j, STAGES)

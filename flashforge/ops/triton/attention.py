@@ -203,7 +203,8 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
     if lse_lo is not None and not store_lo:  # (split-KV serves KV caches only: no backward)
         lse_lo.zero_()
     rec.launch(attn_fwd_kernel, grid,
-        q, k, v, o_out, lse_out, lse_lo if store_lo else lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t, turns, k_desc, v_desc,
+        q, k, v, o_out, lse_out, lse_lo if store_lo else lse_out, mask_t, offsets, alibi, cu_q, cu_k, bt, seed_t,
+        turns, k_desc, v_desc,
         _longest_first(params, offsets),
         *_bshd_strides(q, vl), *k_strides, *v_strides, *_bshd_strides(o, vl),
         *m_strides, s_ab, s_ah, *paging, *split_strides, splits, params.seqlens_k_add, k.shape[0],

@@ -19,8 +19,8 @@ dS = P * (dP' - delta) where dP' is dO V^T with the dropout mask applied.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, batch_head, mul_rn, full_key_range, full_query_range, key_range, load_offset, load_slope, load_tile,
-                     lse_row0, query_range, score_tile, seq_bounds)
+from .common import (LOG2E, batch_head, full_key_range, full_query_range, key_range, load_offset, load_slope,
+                     load_tile, lse_row0, mul_rn, query_range, score_tile, seq_bounds)
 from .dropout import dropout_keep
 
 
