@@ -60,7 +60,8 @@ if [ "$#" -eq 0 ]; then  # every file with tests that run on CUDA
     set -- tests/test_gpu.py tests/test_gluon_sm90.py tests/test_rope.py tests/test_varlen.py tests/test_kvcache.py \
         tests/test_tma.py tests/test_compile.py tests/test_transformers.py tests/test_dispatch.py tests/test_replay.py \
         tests/test_configs.py tests/test_launch.py tests/test_fused_bwd.py tests/test_poly_exp2.py \
-        tests/test_extreme_logits.py tests/test_distributed.py \
+        tests/test_extreme_logits.py tests/test_distributed.py tests/test_safety.py tests/test_attention.py \
+        tests/test_dropout.py tests/test_properties.py tests/test_flash_attn_dropin.py tests/test_interfaces.py \
         tests/test_attention_torch.py::test_runs_on_cuda_tensors
 fi
 if [[ " $PARTS " == *" tests "* ]]; then
@@ -70,7 +71,8 @@ if [[ " $PARTS " == *" tests "* ]]; then
     echo "== pytest ${workers[*]:+${workers[*]} }$* (limit ${lim}s)"
     t0=$SECONDS
     if [ "$lim" -gt 0 ]; then
-        timeout -k 10 "$lim" "$PY" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
+        # SIGINT: pytest stops where it is and still prints its summary and writes the junit file
+        timeout -s INT -k 30 "$lim" "$PY" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
             --junitxml="$OUT_DIR/junit-gpu.xml" "$@" > "$OUT_DIR/pytest.log" 2>&1
         RC[tests]=$?
     else
