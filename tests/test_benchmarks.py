@@ -571,8 +571,9 @@ def test_read_floor_reads_every_element_once(n_k, n_v):
     """The decode table's floor kernel (flashforge/benchmark/read_floor.py) sums each of k's
     and v's elements exactly once, for every program shape it is timed with (interpreter)."""
     from flashforge.benchmark import read_floor
-    k = torch.randn(n_k, dtype=torch.bfloat16)
-    v = torch.randn(n_v, dtype=torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors only in the interpreter
+    k = torch.randn(n_k, dtype=torch.bfloat16, device=device)
+    v = torch.randn(n_v, dtype=torch.bfloat16, device=device)
     want = k.double().sum() + v.double().sum()
     for fn in read_floor.readers(k, v):
         sink = fn()

@@ -69,7 +69,14 @@ def _check(dtype, magnitude, *, B=1, S=16, Hq=2, Hkv=2, D=16, causal=False, ties
     for name, ours, ref, size in (("o", o, ref_o, 1.0), ("dq", leaves[0].grad, ref_leaves[0].grad, magnitude),
                                   ("dk", leaves[1].grad, ref_leaves[1].grad, magnitude),
                                   ("dv", leaves[2].grad, ref_leaves[2].grad, 1.0)):
-        err = (ours.double().cpu() - ref).norm() / max(ref.norm(), size * ref.numel() ** 0.5)
+        ours = ours.double().cpu()
+        if dtype == torch.float16:
+            # at 1e4 the exact dk can pass float16's largest value (65504; H200: 1.1e5 at D = 128), and
+            # inf is then its correct rounding: both sides are compared clipped to the float16 range
+            big = torch.finfo(torch.float16).max
+            assert torch.isfinite(ours[ref.abs() < big / 2]).all(), f"{name}: non-finite where the exact value fits"
+            ours, ref = ours.clamp(-big, big), ref.clamp(-big, big)
+        err = (ours - ref).norm() / max(ref.norm(), size * ref.numel() ** 0.5)
         assert err < TOL[dtype], f"{name}: relative error {err:.2e} >= {TOL[dtype]}"
 
 

@@ -18,9 +18,9 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     n = config.getoption("--fa-sample")
     if n > 1:
-        kept = [it for it in items if zlib.crc32(it.nodeid.encode()) % n == 0]
-        config.hook.pytest_deselected(items=[it for it in items if it not in set(kept)])
-        items[:] = kept
+        keep = [zlib.crc32(it.nodeid.encode()) % n == 0 for it in items]
+        config.hook.pytest_deselected(items=[it for it, k in zip(items, keep) if not k])
+        items[:] = [it for it, k in zip(items, keep) if k]
     for item in items:
         name = item.originalname if hasattr(item, "originalname") else item.name
         params = getattr(item, "callspec", None)

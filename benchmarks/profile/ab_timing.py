@@ -1,0 +1,106 @@
+"""A/B timing of two flashforge trees on one GPU, in one run: is a change slower?
+
+    python benchmarks/profile/ab_timing.py --tree old=.ab/old --tree new=. [--rounds 2] [--json PATH]
+
+Each tree is a directory holding a `flashforge` package (e.g. `git archive <commit> flashforge | tar -x
+-C .ab/old`).  The two packages register the same custom ops, so they cannot share a process: each round
+times every tree in a child process, in ABBA order so that drift of the machine (clocks, heat) falls
+on both, and the median over rounds is kept.  Only the public `flashforge.attention` is used, so any
+two versions compare.  Rows: PERF.md's standard grid (bf16, 16k tokens, H*D = 2048) and D = 256,
+forward and forward+backward, TFLOP/s by PERF.md's convention; ratio = last tree / first tree.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROWS = [(D, S, causal) for D in (64, 128) for S in (1024, 4096, 16384) for causal in (False, True)]
+ROWS += [(256, 4096, False), (256, 16384, True)]
+
+
+def shape(D: int, S: int):
+    """(B, H): the grid's 16k tokens and H*D = 2048; D = 256 rows: H = 8, PERF.md's head-dim cases."""
+    if D == 256:
+        return max(1, 16384 // S), 8
+    return 16384 // S, 2048 // D
+
+
+def flops(D, S, causal, mode):
+    B, H = shape(D, S)
+    f = 4 * B * H * S * S * D / (2 if causal else 1)
+    return f * (3.5 if mode == "fwdbwd" else 1.0)
+
+
+def child(dtype_name: str) -> None:
+    import torch
+    import triton.testing
+    import flashforge
+
+    dtype = getattr(torch, dtype_name)
+    out = {}
+    for D, S, causal in ROWS:
+        B, H = shape(D, S)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+                   for _ in range(3))
+        do = torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=gen)
+
+        def fwd():
+            with torch.no_grad():
+                flashforge.attention(q, k, v, causal=causal)
+
+        def fwdbwd():
+            o = flashforge.attention(q, k, v, causal=causal)
+            torch.autograd.grad(o, (q, k, v), do)
+
+        for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+            ms = triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+            out[f"D{D} S{S}{' causal' if causal else ''} {mode}"] = flops(D, S, causal, mode) / ms / 1e9
+    print("AB_RESULT " + json.dumps(out), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tree", action="append", required=True, help="NAME=DIR (a dir holding flashforge/)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.dtype)
+    trees = [t.split("=", 1) for t in args.tree]
+    results = {name: [] for name, _ in trees}
+    for r in range(args.rounds):
+        order = trees if r % 2 == 0 else trees[::-1]
+        for name, path in order:
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--tree", "x=x",
+                                   "--dtype", args.dtype], env=env, capture_output=True, text=True)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("AB_RESULT ")]
+            if proc.returncode or not line:
+                sys.exit(f"{name} (round {r}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            results[name].append(json.loads(line[0][len("AB_RESULT "):]))
+            print(f"round {r}: {name} done", flush=True)
+    med = {name: {row: statistics.median(run[row] for run in runs) for row in runs[0]}
+           for name, runs in results.items()}
+    first, last = trees[0][0], trees[-1][0]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"median": med, "runs": results}, f, indent=1)
+    print(f"\n{'row':<28}" + "".join(f"{n:>9}" for n, _ in trees) + f"  {last}/{first}")
+    ratios = {"fwd": [], "fwdbwd": []}
+    for row in med[first]:
+        ratio = med[last][row] / med[first][row]
+        ratios[row.rsplit(" ", 1)[1]].append(ratio)
+        print(f"{row:<28}" + "".join(f"{med[n][row]:9.1f}" for n, _ in trees) + f"  {ratio:6.3f}")
+    for mode, rs in ratios.items():
+        print(f"geomean {mode}: {statistics.geometric_mean(rs):.3f}  (min {min(rs):.3f})")
+
+
+if __name__ == "__main__":
+    main()
