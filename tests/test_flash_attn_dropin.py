@@ -6,7 +6,9 @@ against flashforge's float64 reference with flash-attn's rules written out indep
   ``cache_seqlens + i`` when causal or local, every query at ``cache_seqlens`` otherwise;
 * ``cache_leftpad`` (row b's keys start at ``cache_leftpad[b]``);
 * ``flash_attn_varlen_func`` with a paged cache (``block_table``);
-* a paged cache's lengths past what its block table addresses raise (flash-attn checks on the host).
+* a paged cache's lengths past what its block table addresses raise (flash-attn checks on the host);
+* ``cache_batch_idx`` (query batch b reads cache ``cache_batch_idx[b]``);
+* ``softmax_lse = +inf`` on rows that see no key (flash-attn's kernels write INFINITY there).
 """
 from __future__ import annotations
 
@@ -159,3 +161,55 @@ def test_paged_cache_longer_than_its_block_table_raises(append):
     out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.full((1,), page, dtype=torch.int32),
                                   block_table=table)
     assert out.shape == (1, 1, 1, 8) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("append", [False, True], ids=["read", "append"])
+def test_kvcache_batch_idx_selects_the_caches(append):
+    gen = torch.Generator().manual_seed(5)
+    n_cache, B, Sq, S_cache, H, D = 4, 2, 2, 12, 2, 8
+    q = torch.randn(B, Sq, H, D, generator=gen)
+    kc, vc = (torch.randn(n_cache, S_cache, H, D, generator=gen) for _ in range(2))
+    k_new, v_new = (torch.randn(B, Sq, H, D, generator=gen) for _ in range(2)) if append else (None, None)
+    lens = torch.tensor([3, 7], dtype=torch.int32)
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    kc0, vc0 = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, cache_batch_idx=idx,
+                                       causal=True, return_softmax_lse=True)
+    s_new = Sq if append else 0
+    for b in range(B):
+        c, n = int(idx[b]), int(lens[b])
+        keys, vals = kc0[c, :n], vc0[c, :n]
+        if append:
+            keys, vals = torch.cat([keys, k_new[b]]), torch.cat([vals, v_new[b]])
+        want, want_lse = reference.attention(q[b:b + 1].double(), keys[None].double(), vals[None].double(),
+                                             causal=True, causal_offset=n + s_new - Sq, return_lse=True)
+        torch.testing.assert_close(out[b:b + 1].double(), want, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(lse[b:b + 1].double(), want_lse, rtol=2e-5, atol=2e-5)
+        if append:  # the new rows landed in the selected cache, nothing else moved
+            torch.testing.assert_close(kc[c, n:n + Sq], k_new[b], rtol=0, atol=0)
+            torch.testing.assert_close(vc[c, n:n + Sq], v_new[b], rtol=0, atol=0)
+    untouched = [c for c in range(n_cache) if c not in idx.tolist()]
+    assert torch.equal(kc[untouched], kc0[untouched]) and torch.equal(vc[untouched], vc0[untouched])
+    if not append:
+        assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    for bad in ([0, 4], [-1, 0]):
+        with pytest.raises(ValueError, match="cache_batch_idx"):
+            flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_batch_idx=torch.tensor(bad))
+    with pytest.raises(RuntimeError, match="cache_batch_idx"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_batch_idx=idx,
+                                block_table=torch.zeros(B, 1, dtype=torch.int32))
+
+
+def test_lse_is_plus_inf_where_no_key_is_seen():
+    """flash-attn writes +inf (a zero sum) where flashforge's own functions give -inf."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, 2, 8, generator=gen)
+    k, v = (torch.randn(1, 2, 2, 8, generator=gen) for _ in range(2))
+    # window (0, 0) with Sq > Sk: query i sees key i - 2 only, so rows 0 and 1 see nothing
+    o, lse, _ = flash_attn_func(q, k, v, window_size=(0, 0), return_attn_probs=True)
+    assert torch.isposinf(lse[..., :2]).all() and torch.isfinite(lse[..., 2:]).all()
+    assert (o[:, :2] == 0).all()
+    kc, vc = (torch.randn(1, 4, 2, 8, generator=gen) for _ in range(2))
+    o, lse = flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=torch.tensor([0], dtype=torch.int32),
+                                     return_softmax_lse=True)
+    assert torch.isposinf(lse).all() and (o == 0).all()

@@ -25,7 +25,8 @@ Differences, by design:
   the attention probabilities (flash-attn documents its ``S_dmask`` as a testing aid
   that may be wrongly scaled, and gives an empty tensor without dropout).
   ``softmax_lse`` is ``[B, H, Sq]`` float32 and differentiable;
-* a query row that sees no key has ``softmax_lse = -inf`` (flash-attn writes ``+inf``);
+* a query row that sees no key has ``softmax_lse = +inf``, as flash-attn writes it
+  (flashforge's own functions give ``-inf``, the log of an empty sum);
 * with ``causal=True`` and ALiBi, flash-attn's kernel adds ``slope * j`` instead of the
   documented ``-slope * |i + Sk - Sq - j|``: the output is the same (the two differ by a
   constant per row), its ``softmax_lse`` differs by ``slope * (i + Sk - Sq)``;
@@ -38,8 +39,8 @@ The varlen functions take packed ``[total, H, D]`` tensors with ``cu_seqlens``; 
 ``softmax_lse`` is ``[H, total_q]``, as flash-attn's (``block_table``: k, v from a paged
 cache, gathered first).  ``flash_attn_with_kvcache`` runs on `flashforge.attention_with_kvcache`;
 its rotary tables are applied in PyTorch before the call (not fused yet) at flash-attn's
-positions, ``cache_leftpad`` takes the dense kernel with a key mask, and ``cache_batch_idx`` is
-not supported.
+positions, ``cache_leftpad`` takes the dense kernel with a key mask, and ``cache_batch_idx``
+gathers the selected caches (a copy) and writes the appended rows back.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ import torch
 from ..api.attention import attention
 from ..api.kvcache import attention_with_kvcache
 from ..api.varlen import attention_varlen
-from ..api.validate import check_float, check_tensor
+from ..api.validate import check_float, check_tensor, values_visible
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
@@ -66,6 +67,36 @@ def _check_rank(name: str, x, rank: int, layout: str) -> None:
 class FlashAttnInputError(ValueError, RuntimeError):
     """An input flash-attn rejects as well: a ``ValueError`` like every flashforge input error,
     and a ``RuntimeError`` like flash-attn's (its C++ checks raise RuntimeError)."""
+
+
+def _empty_rows_inf(lse: torch.Tensor) -> torch.Tensor:
+    """flash-attn's lse of a row that sees no key, +inf (its kernels: a zero sum gives INFINITY),
+    from flashforge's -inf; out of place, so the lse the backward saved stays as it is."""
+    return torch.where(lse == float("-inf"), float("inf"), lse)
+
+
+def _gather_caches(k_cache, v_cache, cache_batch_idx, block_table):
+    """flash-attn's ``cache_batch_idx``: query batch b reads cache ``cache_batch_idx[b]``.
+    Returns the gathered copies (or the caches themselves without an index).  Out-of-range
+    indices: ValueError where their values are visible (CPU, check_inputs), else clamped, so
+    no index reaches outside the caches."""
+    if cache_batch_idx is None:
+        return k_cache, v_cache, None
+    if block_table is not None:
+        raise FlashAttnInputError("flash_attn_with_kvcache: cache_batch_idx with a paged cache (block_table) is not "
+                                  "supported, as in flash-attn")
+    idx = check_tensor("cache_batch_idx", cache_batch_idx)
+    if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64) or idx.device != k_cache.device:
+        raise FlashAttnInputError(f"cache_batch_idx must be a 1-D int32/int64 tensor on {k_cache.device}, got "
+                                  f"shape {tuple(idx.shape)}, {idx.dtype} on {idx.device}")
+    n = k_cache.shape[0]
+    if values_visible(idx, None):
+        bad = (idx < 0) | (idx >= n)
+        if bool(bad.any()):
+            raise FlashAttnInputError(f"cache_batch_idx: entries must be in [0, {n}) (the caches' batch), got "
+                                      f"{idx[bad][:4].tolist()}")
+    idx = idx.long().clamp(0, n - 1)
+    return k_cache.index_select(0, idx), v_cache.index_select(0, idx), idx
 
 
 def _window_sides(window_size) -> tuple[int, int]:
@@ -105,7 +136,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                     deterministic=deterministic, return_lse=bool(return_attn_probs))
     if return_attn_probs:
         o, lse = out
-        return o, lse, None
+        return o, _empty_rows_inf(lse), None
     return out
 
 
@@ -182,7 +213,7 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                            return_lse=bool(return_attn_probs))
     if return_attn_probs:
         o, lse = out
-        return o, lse, None
+        return o, _empty_rows_inf(lse), None
     return out
 
 
@@ -355,14 +386,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (flash-attn's rule, what its kernel does: without new keys it rotates nothing).  A paged
     cache's lengths are checked on the host, as flash-attn does (a sync).  ``cache_leftpad``
     [B]: row b's keys start at ``cache_leftpad[b]`` (contiguous caches; the dense kernel with a
-    key mask).  ``num_splits=0`` picks split-KV automatically.  ``cache_batch_idx`` is not
-    supported.
+    key mask).  ``num_splits=0`` picks split-KV automatically.  ``cache_batch_idx`` [B]: query
+    batch b uses cache ``cache_batch_idx[b]`` (contiguous caches): the selected caches are
+    gathered (a copy) and, when ``k``/``v`` are given, the appended rows written back; with
+    repeated indices the rows written back come from one of the repeats, as in flash-attn.
+    Rows that see no key get ``softmax_lse = +inf``, as in flash-attn.
 
     Returns ``out [B, Sq, Hq, D]``, or ``(out, softmax_lse [B, Hq, Sq])``.
     """
-    if cache_batch_idx is not None:
-        raise NotImplementedError("flash_attn_with_kvcache: cache_batch_idx is not supported by flashforge; "
-                                  "index the caches yourself")
     if cache_leftpad is not None and block_table is not None:
         raise FlashAttnInputError("flash_attn_with_kvcache: cache_leftpad with a paged cache (block_table) is not "
                                   "supported, as in flash-attn")
@@ -371,6 +402,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_rank(name, t, 4, "[batch, seqlen, nheads, headdim]")
     softcap = max(check_float("softcap", softcap), 0.0)
+    caches = k_cache, v_cache
+    k_cache, v_cache, idx = _gather_caches(k_cache, v_cache, cache_batch_idx, block_table)
     B, Sq = q.shape[0], q.shape[1]
     s_new = 0 if k is None else k.shape[1]
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
@@ -389,9 +422,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                 rotary_interleaved)
         k = _rotate_with_tables(k, rotary_cos, rotary_sin, start + ar(s_new), rotary_interleaved)
     if cache_leftpad is not None:
-        return _attention_leftpad(q, k_cache, v_cache, k, v, lens, cache_leftpad, causal, window, softcap,
-                                  softmax_scale, alibi_slopes, bool(return_softmax_lse))
-    return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
-                                  causal=causal, window=window, softcap=softcap, scale=softmax_scale,
-                                  alibi_slopes=alibi_slopes, return_lse=bool(return_softmax_lse),
-                                  num_splits=None if not num_splits else num_splits)
+        out = _attention_leftpad(q, k_cache, v_cache, k, v, lens, cache_leftpad, causal, window, softcap,
+                                 softmax_scale, alibi_slopes, bool(return_softmax_lse))
+    else:
+        out = attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+                                     causal=causal, window=window, softcap=softcap, scale=softmax_scale,
+                                     alibi_slopes=alibi_slopes, return_lse=bool(return_softmax_lse),
+                                     num_splits=None if not num_splits else num_splits)
+    if idx is not None and k is not None:  # the gathered copies took the new rows: write them back
+        caches[0].index_copy_(0, idx, k_cache)
+        caches[1].index_copy_(0, idx, v_cache)
+    if return_softmax_lse:
+        o, lse = out
+        return o, _empty_rows_inf(lse)
+    return out
