@@ -72,18 +72,26 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", default=None)
     ap.add_argument("--grid-only", action="store_true", help="leave out the D = 256 rows")
+    ap.add_argument("--warm", action="store_true", help="first run every tree at once, untimed (compiles)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args.dtype, args.grid_only)
     trees = [t.split("=", 1) for t in args.tree]
     results = {name: [] for name, _ in trees}
+
+    def command(path):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tree", "x=x", "--dtype", args.dtype]
+        return cmd + (["--grid-only"] if args.grid_only else []), dict(os.environ, PYTHONPATH=os.path.abspath(path))
+
+    if args.warm:  # compile every tree's kernels at once (Triton's cache keeps them); these timings are dropped
+        procs = [subprocess.Popen(*command(path)[:1], env=command(path)[1], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL) for _, path in trees]
+        print("warm-up exits:", [p.wait() for p in procs], flush=True)
     for r in range(args.rounds):
         order = trees if r % 2 == 0 else trees[::-1]
         for name, path in order:
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tree", "x=x", "--dtype", args.dtype]
-            cmd += ["--grid-only"] if args.grid_only else []
+            cmd, env = command(path)
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("AB_RESULT ")]
             if proc.returncode or not line:
