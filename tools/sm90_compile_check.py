@@ -124,8 +124,10 @@ def compile_all(log):
 
 
 def _resources(cubin: bytes) -> str:
-    """Registers per thread and local-memory bytes (spills) of the compiled kernel, from the
-    cuobjdump Triton ships; a kernel that spills runs far below its tile's speed."""
+    """Registers per thread, stack frame and local-memory bytes of the compiled kernel, from the
+    cuobjdump Triton ships.  Register spills go to the stack frame (STACK, per thread): a kernel
+    with stack > 0 spills and runs far below its tile's speed.  (LOCAL counts only statically
+    allocated local memory, 0 for Triton kernels: it said nothing about spills.)"""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -135,8 +137,9 @@ def _resources(cubin: bytes) -> str:
                                  check=True).stdout
         except (OSError, subprocess.CalledProcessError):
             return "regs=?"
-    regs, local = re.search(r"REG:(\d+)", out), re.search(r"LOCAL:(\d+)", out)
-    return f"regs={regs.group(1) if regs else '?'} local={local.group(1) if local else '?'}"
+    regs, stack, local = (re.search(rf"{k}:(\d+)", out) for k in ("REG", "STACK", "LOCAL"))
+    return (f"regs={regs.group(1) if regs else '?'} stack={stack.group(1) if stack else '?'} "
+            f"local={local.group(1) if local else '?'}")
 
 
 def _flags(consts):
@@ -224,6 +227,12 @@ def record(quick: bool):
                                                                        fused_dq=kind == "bwd_kv")
     run(D=128, window_right=0)
     run(mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=3, softcap=5.0)
+    # dV and dK in two launches (PART 1, 2), opt-in per tile config; D = 256's 128-key tiles
+    launchers.get_config = lambda kind, d, e, interpret, **kw: (
+        configs.TileConfig(16, 128, 8, 2, split_kv=True) if kind == "bwd_kv" and d > 128 else
+        configs.TileConfig(128, 32, 8, 2) if kind == "bwd_q" and d > 128 else real_get(kind, d, e, False, **kw))
+    run(D=256, window_right=0)
+    run(D=256, dtype=torch.float16, mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=3, softcap=5.0)
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
     if quick:
         return log
