@@ -94,7 +94,9 @@ def _signature(fn, args, kwargs):
     return sig, consts, options, attrs
 
 
-def compile_all(log):
+def compile_all(log, found=None):
+    """Compile each distinct recorded launch; returns the failures.  found: a list that gets one
+    dict per compiled kernel (name, constexprs, smem, regs, stack) where given."""
     seen, failures = set(), []
     for fn, args, kwargs in log:
         if launch_key(args) is None:  # the launch cache (ops/launch.py) would not serve it
@@ -115,8 +117,13 @@ def compile_all(log):
                                    f"gives a block at most {SMEM_LIMIT} B")
             ptx = kernel.asm["ptx"]
             mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "fma"
+            res = _resources(kernel.asm["cubin"])
             print(f"ok   {fn.__name__:28s} {time.perf_counter() - t0:5.1f}s {mma:5s} "
-                  f"smem={kernel.metadata.shared:6d} {_resources(kernel.asm['cubin'])} {_flags(consts)}", flush=True)
+                  f"smem={kernel.metadata.shared:6d} {res} {_flags(consts)}", flush=True)
+            if found is not None:
+                nums = dict(re.findall(r"(\w+)=(\d+)", res))
+                found.append(dict(name=fn.__name__, consts=_flags(consts), mma=mma, smem=kernel.metadata.shared,
+                                  regs=int(nums.get("regs", -1)), stack=int(nums.get("stack", -1))))
         except Exception as e:  # report every failure, then exit non-zero
             failures.append((fn.__name__, consts, e))
             print(f"FAIL {fn.__name__}: {type(e).__name__}: {str(e)[:2000]}\n      {_flags(consts)}", flush=True)
