@@ -234,12 +234,17 @@ def record(quick: bool):
                                                                        fused_dq=kind == "bwd_kv")
     run(D=128, window_right=0)
     run(mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=3, softcap=5.0)
-    # dV and dK in two launches (PART 1, 2), opt-in per tile config; D = 256's 128-key tiles
-    launchers.get_config = lambda kind, d, e, interpret, **kw: (
-        configs.TileConfig(16, 128, 8, 2, split_kv=True) if kind == "bwd_kv" and d > 128 else
-        configs.TileConfig(128, 32, 8, 2) if kind == "bwd_q" and d > 128 else real_get(kind, d, e, False, **kw))
-    run(D=256, window_right=0)
-    run(D=256, dtype=torch.float16, mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=3, softcap=5.0)
+    # dV and dK in two launches (PART 1, 2), opt-in per tile config: with the table's tiles, and on
+    # sm_90 with D = 256's 128-key tiles (benchmarks/tune/bwd256_sweep.py --compile-check: all candidates)
+    launchers.get_config = lambda kind, d, e, interpret, **kw: replace(real_get(kind, d, e, False, **kw),
+                                                                       split_kv=kind == "bwd_kv")
+    run(window_right=0)
+    if TARGET.arch == 90:
+        launchers.get_config = lambda kind, d, e, interpret, **kw: (
+            configs.TileConfig(16, 128, 8, 1, split_kv=True) if kind == "bwd_kv" and d > 128 else
+            configs.TileConfig(128, 32, 8, 2) if kind == "bwd_q" and d > 128 else real_get(kind, d, e, False, **kw))
+        run(D=256, window_right=0)
+        run(D=256, dtype=torch.float16, mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=3, softcap=5.0)
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
     if quick:
         return log

@@ -485,7 +485,8 @@ def compile_check(args) -> int:
         for feat, kw in features.items():
             log.clear()
             call(fwd_only=section == "fwd", **kw)
-            keep = ("attn_fwd_kernel",) if section == "fwd" else ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+            keep = ("attn_fwd_kernel",) if section == "fwd" else ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel",
+                                                                   "attn_bwd_dmask_kernel")
             todo = [x for x in log if x[0].__name__ in keep]
             print(f"== {name} {feat}", flush=True)
             found: list = []
