@@ -540,6 +540,23 @@ def test_sweep_pure_parts():
         '("fwd", 128, 2): TileConfig(128, 64, 8, 3, ws=True),'
 
 
+def test_bwd256_sweep_candidates_parse():
+    """benchmarks/tune/bwd256_sweep.py: every candidate's spec parses (split_kv: the "skv" suffix)
+    and its table line reads back; without CUDA the run exits 2."""
+    from flashforge.ops.triton.configs import TileConfig
+    b256 = _load("bwd256_sweep")
+    assert sweep.parse_configs("16x128w8s1skvfdq") == [TileConfig(16, 128, 8, 1, fused_dq=True, split_kv=True)]
+    assert sweep.table_line("bwd_kv", 256, 2, TileConfig(16, 128, 8, 2, split_kv=True)).strip() == \
+        '("bwd_kv", 256, 2): TileConfig(16, 128, 8, 2, split_kv=True),'
+    names = [n for n, _ in b256.CANDIDATES + b256.FWD_CANDIDATES]
+    assert len(set(names)) == len(names) and names[0] == "table"
+    for _, spec in b256.CANDIDATES + b256.FWD_CANDIDATES:
+        for kind, cfg in b256.configs_of(spec).items():
+            assert kind in ("fwd", "bwd_kv", "bwd_q") and b256.short(cfg) == spec[kind]
+    if not torch.cuda.is_available():
+        assert b256.main(["--budget", "1"]) == 2
+
+
 def test_sweep_kind_ranks_correct_configs_only():
     from flashforge.ops.triton import configs
     from flashforge.ops.triton.configs import TileConfig

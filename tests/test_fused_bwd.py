@@ -1,7 +1,8 @@
 """The opt-in fused backward (`TileConfig.fused_dq` on the dK/dV entry): dQ accumulated
 with atomics inside the dK/dV kernel must equal the split backward's dQ (and leave dK,
 dV, dmask unchanged), over the features that touch the score tile; deterministic=True
-must ignore it.  On the CPU the kernels run in the Triton interpreter; on a GPU these
+must ignore it.  Likewise `TileConfig.split_kv` (dV and dK in two launches of the dK/dV
+kernel): bitwise the one-launch gradients, alone and with fused_dq.  On the CPU the kernels run in the Triton interpreter; on a GPU these
 run as they are."""
 import pytest
 import torch
@@ -15,13 +16,13 @@ pytestmark = pytest.mark.skipif(not (HAS_TRITON and (INTERPRET or torch.cuda.is_
 DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
 
-def _grads(fn, leaves, fused, monkeypatch):
+def _grads(fn, leaves, fused, monkeypatch, split_kv=False):
     real = configs.get_config
 
     def pick(kind, d, e, i, **kw):
         cfg = real(kind, d, e, i, **kw)
         return configs.TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                                  fused_dq=fused and kind == "bwd_kv")
+                                  fused_dq=fused and kind == "bwd_kv", split_kv=split_kv and kind == "bwd_kv")
     monkeypatch.setattr("flashforge.ops.triton.attention.get_config", pick)
     xs = [t.detach().clone().requires_grad_(True) for t in leaves]
     out = fn(*xs)
@@ -41,8 +42,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_fused_dq_matches_split(name, monkeypatch):
+def _case(name):
     c = CASES[name]
     B, Sq, Sk, Hq, Hkv, D = c["shape"]
     kw = dict(c["kw"])
@@ -60,6 +60,12 @@ def test_fused_dq_matches_split(name, monkeypatch):
     else:
         def fn(q, k, v):
             return flashforge.attention(q, k, v, backend="triton", return_lse=True, **kw)
+    return fn, leaves
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_dq_matches_split(name, monkeypatch):
+    fn, leaves = _case(name)
     split = _grads(fn, leaves, False, monkeypatch)
     fused = _grads(fn, leaves, True, monkeypatch)
     for name_, a, b in zip("q k v mask".split(), fused, split):
@@ -92,3 +98,37 @@ def test_deterministic_ignores_fused_dq(monkeypatch):
     fused = _grads(fn, [q, k, v], True, monkeypatch)
     for a, b in zip(fused, split):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_split_kv_is_bitwise_the_one_launch_backward(name, monkeypatch):
+    """dV (PART 1) and dK (PART 2) in two launches: the same tiles in the same order, so the
+    same bits as PART 0; with fused_dq the dQ atomics move to the dK launch."""
+    fn, leaves = _case(name)
+    one = _grads(fn, leaves, False, monkeypatch)
+    two = _grads(fn, leaves, False, monkeypatch, split_kv=True)
+    for name_, a, b in zip("q k v mask".split(), two, one):
+        assert torch.isfinite(a).all(), name_
+        assert torch.equal(a, b), f"d{name_}"
+    fused = _grads(fn, leaves, True, monkeypatch)
+    fused_two = _grads(fn, leaves, True, monkeypatch, split_kv=True)
+    for name_, a, b in zip("q k v mask".split(), fused_two, fused):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"d{name_}")
+
+
+def test_split_kv_varlen_deterministic(monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    lens = [5, 17, 1, 30]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32).to(DEV)
+    total, Hq, Hkv, D = sum(lens), 4, 2, 16
+    q = torch.randn(total, Hq, D, generator=gen).to(DEV)
+    k, v = (torch.randn(total, Hkv, D, generator=gen).to(DEV) for _ in range(2))
+
+    def fn(q, k, v):
+        return flashforge.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, window=(9, 0),
+                                           deterministic=True, backend="triton")
+    one = _grads(fn, [q, k, v], False, monkeypatch)
+    two = _grads(fn, [q, k, v], False, monkeypatch, split_kv=True)
+    again = _grads(fn, [q, k, v], True, monkeypatch, split_kv=True)  # deterministic: fused_dq ignored
+    for a, b, c in zip(two, one, again):
+        assert torch.equal(a, b) and torch.equal(c, b)

@@ -94,7 +94,9 @@ def _signature(fn, args, kwargs):
     return sig, consts, options, attrs
 
 
-def compile_all(log):
+def compile_all(log, found=None):
+    """Compile each distinct recorded launch; returns the failures.  found: a list that gets one
+    dict per compiled kernel (name, constexprs, smem, regs, stack) where given."""
     seen, failures = set(), []
     for fn, args, kwargs in log:
         if launch_key(args) is None:  # the launch cache (ops/launch.py) would not serve it
@@ -115,8 +117,13 @@ def compile_all(log):
                                    f"gives a block at most {SMEM_LIMIT} B")
             ptx = kernel.asm["ptx"]
             mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "fma"
+            res = _resources(kernel.asm["cubin"])
             print(f"ok   {fn.__name__:28s} {time.perf_counter() - t0:5.1f}s {mma:5s} "
-                  f"smem={kernel.metadata.shared:6d} {_resources(kernel.asm['cubin'])} {_flags(consts)}", flush=True)
+                  f"smem={kernel.metadata.shared:6d} {res} {_flags(consts)}", flush=True)
+            if found is not None:
+                nums = dict(re.findall(r"(\w+)=(\d+)", res))
+                found.append(dict(name=fn.__name__, consts=_flags(consts), mma=mma, smem=kernel.metadata.shared,
+                                  regs=int(nums.get("regs", -1)), stack=int(nums.get("stack", -1))))
         except Exception as e:  # report every failure, then exit non-zero
             failures.append((fn.__name__, consts, e))
             print(f"FAIL {fn.__name__}: {type(e).__name__}: {str(e)[:2000]}\n      {_flags(consts)}", flush=True)
@@ -124,8 +131,10 @@ def compile_all(log):
 
 
 def _resources(cubin: bytes) -> str:
-    """Registers per thread and local-memory bytes (spills) of the compiled kernel, from the
-    cuobjdump Triton ships; a kernel that spills runs far below its tile's speed."""
+    """Registers per thread, stack frame and local-memory bytes of the compiled kernel, from the
+    cuobjdump Triton ships.  Register spills go to the stack frame (STACK, per thread): a kernel
+    with stack > 0 spills and runs far below its tile's speed.  (LOCAL counts only statically
+    allocated local memory, 0 for Triton kernels: it said nothing about spills.)"""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -135,8 +144,9 @@ def _resources(cubin: bytes) -> str:
                                  check=True).stdout
         except (OSError, subprocess.CalledProcessError):
             return "regs=?"
-    regs, local = re.search(r"REG:(\d+)", out), re.search(r"LOCAL:(\d+)", out)
-    return f"regs={regs.group(1) if regs else '?'} local={local.group(1) if local else '?'}"
+    regs, stack, local = (re.search(rf"{k}:(\d+)", out) for k in ("REG", "STACK", "LOCAL"))
+    return (f"regs={regs.group(1) if regs else '?'} stack={stack.group(1) if stack else '?'} "
+            f"local={local.group(1) if local else '?'}")
 
 
 def _flags(consts):
@@ -224,6 +234,17 @@ def record(quick: bool):
                                                                        fused_dq=kind == "bwd_kv")
     run(D=128, window_right=0)
     run(mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=3, softcap=5.0)
+    # dV and dK in two launches (PART 1, 2), opt-in per tile config: with the table's tiles, and on
+    # sm_90 with D = 256's 128-key tiles (benchmarks/tune/bwd256_sweep.py --compile-check: all candidates)
+    launchers.get_config = lambda kind, d, e, interpret, **kw: replace(real_get(kind, d, e, False, **kw),
+                                                                       split_kv=kind == "bwd_kv")
+    run(window_right=0)
+    if TARGET.arch == 90:
+        launchers.get_config = lambda kind, d, e, interpret, **kw: (
+            configs.TileConfig(16, 128, 8, 1, split_kv=True) if kind == "bwd_kv" and d > 128 else
+            configs.TileConfig(128, 32, 8, 2) if kind == "bwd_q" and d > 128 else real_get(kind, d, e, False, **kw))
+        run(D=256, window_right=0)
+        run(D=256, dtype=torch.float16, mask=torch.randn(2, 1, 128, 128), dropout_p=0.1, seed=3, softcap=5.0)
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
     if quick:
         return log

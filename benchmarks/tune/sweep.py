@@ -87,14 +87,14 @@ def candidates(kind: str, quick: bool = False, current=None) -> list:
 
 def parse_configs(text: str) -> list:
     """"128x128w8s3,64x64w4s3tma,64x128w8s3fdq,128x128w8s3poly1" -> TileConfigs (suffixes tma / ws /
-    fdq (fused dQ) / poly1, poly2 (half or all of the forward's exponentials on the FMA pipes) / gluon
-    (the sm_90 Gluon kernels; v1..v3: the V ring's slots; nopipe: the Gluon dK/dV kernel one query
-    tile at a time) opt in)."""
+    fdq (fused dQ) / skv (dV and dK in two launches) / poly1, poly2 (half or all of the forward's
+    exponentials on the FMA pipes) / gluon (the sm_90 Gluon kernels; v1..v3: the V ring's slots;
+    nopipe: the Gluon dK/dV kernel one query tile at a time) opt in)."""
     import re
     from flashforge.ops.triton.configs import TileConfig
     out = []
     for item in filter(None, (t.strip() for t in text.split(","))):
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)((?:tma|ws|fdq|poly[12]|gluon|v[123]|nopipe)*)", item)
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)((?:tma|ws|fdq|skv|poly[12]|gluon|v[123]|nopipe)*)", item)
         if not m:
             raise ValueError(f"--configs: {item!r} is not like 128x64w8s3, 64x64w4s3tma, 128x64w8s3tmaws, "
                              f"64x128w8s3fdq (fused dQ), 128x128w8s3poly1 (exp2 on the FMA pipes) or "
@@ -103,7 +103,8 @@ def parse_configs(text: str) -> list:
         poly = re.search(r"poly([12])", flags)
         vs = re.search(r"v([123])", flags)
         out.append(TileConfig(int(bm), int(bn), int(w), int(st), tma="tma" in flags, ws="ws" in flags,
-                              fused_dq="fdq" in flags, poly_exp2=int(poly.group(1)) if poly else 0,
+                              fused_dq="fdq" in flags, split_kv="skv" in flags,
+                              poly_exp2=int(poly.group(1)) if poly else 0,
                               gluon="gluon" in flags, v_stages=int(vs.group(1)) if vs else 0,
                               overlap="nopipe" not in flags))
     return out
@@ -111,7 +112,8 @@ def parse_configs(text: str) -> list:
 
 def table_line(kind: str, bucket: int, elem: int, cfg) -> str:
     tma = (", tma=True" if cfg.tma else "") + (", ws=True" if cfg.ws else "") + \
-        (", fused_dq=True" if cfg.fused_dq else "") + (f", poly_exp2={cfg.poly_exp2}" if cfg.poly_exp2 else "") + \
+        (", fused_dq=True" if cfg.fused_dq else "") + (", split_kv=True" if cfg.split_kv else "") + \
+        (f", poly_exp2={cfg.poly_exp2}" if cfg.poly_exp2 else "") + \
         (", gluon=True" if cfg.gluon else "") + (f", v_stages={cfg.v_stages}" if cfg.v_stages else "") + \
         (f", min_keys={cfg.min_keys}" if cfg.min_keys else "") + ("" if cfg.overlap else ", overlap=False")
     return (f'    ("{kind}", {bucket}, {elem}): TileConfig({cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, '
@@ -172,7 +174,7 @@ def sweep_kind(kind: str, runs: dict, cands: Sequence, bucket: int, elem: int, t
         results.append(res)
         c = cfg
         log(f"  {kind} {c.block_m:>3}x{c.block_n:<3} w{c.num_warps} s{c.num_stages}{' tma' if c.tma else ''}"
-            f"{' ws' if c.ws else ''}{' fused-dq' if c.fused_dq else ''}{f' poly{c.poly_exp2}' if c.poly_exp2 else ''}{' gluon' if c.gluon else ''}{'' if c.overlap else ' nopipe'}{f' v{c.v_stages}' if c.v_stages else ''}: "
+            f"{' ws' if c.ws else ''}{' fused-dq' if c.fused_dq else ''}{' split-kv' if c.split_kv else ''}{f' poly{c.poly_exp2}' if c.poly_exp2 else ''}{' gluon' if c.gluon else ''}{'' if c.overlap else ' nopipe'}{f' v{c.v_stages}' if c.v_stages else ''}: "
             + (f"{res['tflops']:.0f} TFLOP/s" if res["ok"] else res["error"]) + f" ({res['seconds']} s)")
     return results
 
@@ -243,7 +245,7 @@ def report(kind: str, results: list, bucket: int, elem: int, top: int) -> str:
         gain = f" ({r['tflops'] / base_tf:.2f}x table)" if base_tf else ""
         lines.append(f"  {c['block_m']:>3} x {c['block_n']:<3} warps {c['num_warps']} stages {c['num_stages']}"
                      f"{' tma' if c.get('tma') else ''}{' ws' if c.get('ws') else ''}"
-                     f"{' fused-dq' if c.get('fused_dq') else ''}{' poly%d' % c['poly_exp2'] if c.get('poly_exp2') else ''}{' gluon' if c.get('gluon') else ''}{'' if c.get('overlap', True) else ' nopipe'}{' v%d' % c['v_stages'] if c.get('v_stages') else ''}: "
+                     f"{' fused-dq' if c.get('fused_dq') else ''}{' split-kv' if c.get('split_kv') else ''}{' poly%d' % c['poly_exp2'] if c.get('poly_exp2') else ''}{' gluon' if c.get('gluon') else ''}{'' if c.get('overlap', True) else ' nopipe'}{' v%d' % c['v_stages'] if c.get('v_stages') else ''}: "
                      f"{r['tflops']:6.0f} TFLOP/s  {r['ms']:.3f} ms{gain}")
     if ok:
         lines.append("  table entry: " + table_line(kind, bucket, elem, TileConfig(**ok[0]["config"])).strip())

@@ -296,13 +296,15 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else q
-        launch(attn_bwd_dkdv_kernel, (cdiv(max_sk, cfg_kv.block_n), B * Hkv),
-            q, k, v, do, lse, lo_t, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t, dq_acc, order,
-            *strides_qkvdo, *_bshd_strides(dk, vl), *_bshd_strides(dv, vl), *m_strides, s_ab, s_ah,
-            *_bshd_strides(dq_acc, vl), Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
-            HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv), FUSED_DQ=fused,
-            HAS_LO=lse_lo is not None,
-        )
+        # split_kv: dV (PART 1), then dK (PART 2, with the fused dQ if any); else both at once
+        for part in (1, 2) if cfg_kv.split_kv else (0,):
+            launch(attn_bwd_dkdv_kernel, (cdiv(max_sk, cfg_kv.block_n), B * Hkv),
+                q, k, v, do, lse, lo_t, delta, dk, dv, mask_t, offsets, alibi, cu_q, cu_k, seed_t, dq_acc, order,
+                *strides_qkvdo, *_bshd_strides(dk, vl), *_bshd_strides(dv, vl), *m_strides, s_ab, s_ah,
+                *_bshd_strides(dq_acc, vl), Hq, Hkv, Sq, Sk, D, Dv, Hq // Hkv, *scalars,
+                HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv),
+                FUSED_DQ=fused and part != 1, HAS_LO=lse_lo is not None, PART=part,
+            )
     if fused:
         dq = dq_acc.mul_(params.scale).to(q.dtype)
     elif g_q is not None:

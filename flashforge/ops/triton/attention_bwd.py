@@ -5,10 +5,15 @@
 - `attn_bwd_dkdv_kernel`: one program per (key block, batch * kv head); loops
   over the query heads of its group and the query blocks that see the keys,
   so dK/dV are summed over the group in registers.  Works on transposed
-  [keys, queries] tiles.
+  [keys, queries] tiles.  PART (opt-in, `TileConfig.split_kv`): 1 computes dV only,
+  2 dK only (and the fused dQ), 0 both.  Run as two launches (1, then 2), each program
+  holds one float32 [block_n, D] accumulator instead of two: at D = 256 that is what lets
+  128-key tiles (two warpgroups, no duplicated q k^T) fit the registers, for one more
+  q k^T product per tile.  The same tiles in the same order: bitwise PART 0's dK and dV.
 - `attn_bwd_dq_kernel`: one program per (query block, batch * query head).
   (Opt-in, `TileConfig.fused_dq` on the dK/dV entry, never with deterministic=True:
   the dK/dV kernel also adds dQ with float32 atomics and this kernel is skipped.)
+
 - `attn_bwd_dmask_kernel`: one program per tile of the mask's own shape; loops
   over the dims the mask broadcasts over, so dmask is reduced in a fixed order.
 
@@ -125,13 +130,15 @@ def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, m_lo, m_h
                 HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, CHECK: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                p_dq, stride_dqs, FUSED_DQ: tl.constexpr, HAS_LO: tl.constexpr):
+                p_dq, stride_dqs, FUSED_DQ: tl.constexpr, HAS_LO: tl.constexpr, PART: tl.constexpr = 0):
     """dK/dV contributions of the query tiles [m_lo, m_hi) of one query head.
     CHECK=False: the tiles lie inside Sq and every query sees every key of the
     tile (`full_query_range`), so the range and window tests are skipped.
     FUSED_DQ: also add this key tile's share of dQ / scale (dS K) into the float32
     buffer p_dq with atomics: five matrix products per tile instead of the split
-    backward's seven, in an order that varies run to run."""
+    backward's seven, in an order that varies run to run.
+    PART: 0 both dK and dV; 1 dV only (no dO V^T, no dS; dk is returned as it came);
+    2 dK only (dv returned as it came)."""
     EVEN_D: tl.constexpr = (D == BLOCK_D) and (DV == BLOCK_DV)
     for m_start in range(m_lo, m_hi, BLOCK_M):
         o_m = m_start + tl.arange(0, BLOCK_M)
@@ -143,21 +150,30 @@ def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, m_lo, m_h
         lse2, lo, delta = _load_row_stats(LSE, LSE_LO, DELTA, row0, o_m, Sq, HAS_LO)
         # [BN, BM]
         qkt = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)
-        dpt = tl.dot(b_v, b_dot, input_precision=DOT_PRECISION)
-        p_dropt, _, ds_rawt = _ds_tile(qkt, dpt, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off,
-                                       win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
-                                       MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                       HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                                       True, BLOCK_M, BLOCK_N, CHECK, HAS_LO)
+        if PART == 1:  # P' only: dp is a stand-in whose products (dS) are dead code
+            p_dropt, _, _ = _ds_tile(qkt, qkt, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off,
+                                     win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
+                                     MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                     HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                                     True, BLOCK_M, BLOCK_N, CHECK, HAS_LO)
+        else:
+            dpt = tl.dot(b_v, b_dot, input_precision=DOT_PRECISION)
+            p_dropt, _, ds_rawt = _ds_tile(qkt, dpt, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off,
+                                           win_left, win_right, scale, softcap, slope, seed, drop_threshold,
+                                           drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                                           True, BLOCK_M, BLOCK_N, CHECK, HAS_LO)
         # [BN, BDV] += P'^T dO ; [BN, BD] += dS^T Q
-        dv = tl.dot(p_dropt.to(b_dot.dtype), tl.trans(b_dot), dv, input_precision=DOT_PRECISION)
-        ds_lp = ds_rawt.to(b_qt.dtype)
-        dk = tl.dot(ds_lp, tl.trans(b_qt), dk, input_precision=DOT_PRECISION)
-        if FUSED_DQ:
-            # [BM, BD] = dS K; rows past Sq are masked off (their dS is 0 anyway)
-            dq_part = tl.dot(tl.trans(ds_lp), b_k, input_precision=DOT_PRECISION)
-            tl.atomic_add(p_dq + o_m[:, None].to(tl.int64) * stride_dqs + o_d[None, :], dq_part,
-                          mask=(o_m[:, None] < Sq) & (o_d[None, :] < D), sem="relaxed")
+        if PART != 2:
+            dv = tl.dot(p_dropt.to(b_dot.dtype), tl.trans(b_dot), dv, input_precision=DOT_PRECISION)
+        if PART != 1:
+            ds_lp = ds_rawt.to(b_qt.dtype)
+            dk = tl.dot(ds_lp, tl.trans(b_qt), dk, input_precision=DOT_PRECISION)
+            if FUSED_DQ:
+                # [BM, BD] = dS K; rows past Sq are masked off (their dS is 0 anyway)
+                dq_part = tl.dot(tl.trans(ds_lp), b_k, input_precision=DOT_PRECISION)
+                tl.atomic_add(p_dq + o_m[:, None].to(tl.int64) * stride_dqs + o_d[None, :], dq_part,
+                              mask=(o_m[:, None] < Sq) & (o_d[None, :] < D), sem="relaxed")
     return dk, dv
 
 
@@ -179,7 +195,7 @@ def attn_bwd_dkdv_kernel(
     HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr, OFFSET_BR: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    FUSED_DQ: tl.constexpr = False, HAS_LO: tl.constexpr = False,
+    FUSED_DQ: tl.constexpr = False, HAS_LO: tl.constexpr = False, PART: tl.constexpr = 0,
 ):
     # Tiles here are transposed ([keys, queries]) so that dV += P'^T dO and
     # dK += dS^T Q take the accumulator tiles as they come out of the MMA,
@@ -210,10 +226,20 @@ def attn_bwd_dkdv_kernel(
     # K [BN, BD], V [BN, BDV]
     b_k = tl.load(K + b64 * stride_kb + hk * stride_kh + o_n[:, None].to(tl.int64) * stride_ks + o_d[None, :],
                   mask=(o_n[:, None] < Sk) & (o_d[None, :] < D), other=0.0)
-    b_v = tl.load(V + b64 * stride_vb + hk * stride_vh + o_n[:, None].to(tl.int64) * stride_vs + o_dv[None, :],
-                  mask=(o_n[:, None] < Sk) & (o_dv[None, :] < DV), other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    if PART == 1:  # (V is not read: dV needs P only)
+        b_v = b_k
+    else:
+        b_v = tl.load(V + b64 * stride_vb + hk * stride_vh + o_n[:, None].to(tl.int64) * stride_vs + o_dv[None, :],
+                      mask=(o_n[:, None] < Sk) & (o_dv[None, :] < DV), other=0.0)
+    # PART 1 / 2: the accumulator the program does not compute is a small placeholder
+    if PART == 1:
+        dk = tl.zeros([16, 16], dtype=tl.float32)
+    else:
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if PART == 2:
+        dv = tl.zeros([16, 16], dtype=tl.float32)
+    else:
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     lo, hi = query_range(n_start, off, win_left, win_right, Sq, BLOCK_M, BLOCK_N, HAS_WL, HAS_WR)
     if IS_VARLEN:  # grids cover the longest sequence: blocks past this one's end do nothing
@@ -234,27 +260,29 @@ def attn_bwd_dkdv_kernel(
                              drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                              HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                              DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                             p_dq, stride_dqs, FUSED_DQ, HAS_LO)
+                             p_dq, stride_dqs, FUSED_DQ, HAS_LO, PART)
         dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, lo, full_lo, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
                              stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
                              drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                              HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                              DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                             p_dq, stride_dqs, FUSED_DQ, HAS_LO)
+                             p_dq, stride_dqs, FUSED_DQ, HAS_LO, PART)
         dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, full_hi, hi, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
                              stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
                              drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                              HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
                              DOT_PRECISION, D, DV, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                             p_dq, stride_dqs, FUSED_DQ, HAS_LO)
+                             p_dq, stride_dqs, FUSED_DQ, HAS_LO, PART)
 
-    dk *= scale
-    m_nd = (o_n[:, None] < Sk) & (o_d[None, :] < D)
-    m_ndv = (o_n[:, None] < Sk) & (o_dv[None, :] < DV)
-    tl.store(DK + b64 * stride_dkb + hk * stride_dkh + o_n[:, None].to(tl.int64) * stride_dks + o_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=m_nd)
-    tl.store(DV_OUT + b64 * stride_dvb + hk * stride_dvh + o_n[:, None].to(tl.int64) * stride_dvs + o_dv[None, :],
-             dv.to(DV_OUT.dtype.element_ty), mask=m_ndv)
+    if PART != 1:
+        dk *= scale
+        m_nd = (o_n[:, None] < Sk) & (o_d[None, :] < D)
+        tl.store(DK + b64 * stride_dkb + hk * stride_dkh + o_n[:, None].to(tl.int64) * stride_dks + o_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=m_nd)
+    if PART != 2:
+        m_ndv = (o_n[:, None] < Sk) & (o_dv[None, :] < DV)
+        tl.store(DV_OUT + b64 * stride_dvb + hk * stride_dvh + o_n[:, None].to(tl.int64) * stride_dvs
+                 + o_dv[None, :], dv.to(DV_OUT.dtype.element_ty), mask=m_ndv)
 
 
 @triton.jit

@@ -30,6 +30,11 @@ class TileConfig:
     # bwd_kv only: the dK/dV kernel also accumulates dQ (float32 atomics) and the dQ kernel
     # is skipped; ignored when deterministic=True.  Off until measured.
     fused_dq: bool = False
+    # bwd_kv only (portable kernel): dV and dK in two launches of the dK/dV kernel (PART 1, 2),
+    # each program holding one float32 [block_n, D] accumulator instead of two; costs one more
+    # q k^T product per tile.  For D = 256, where both accumulators of a 128-key tile would
+    # need 256 registers a thread.  Off until measured (benchmarks/tune/bwd256_sweep.py).
+    split_kv: bool = False
     # forward only, 16-bit inputs: compute 1 = half, 2 = all of the interior tiles'
     # exponentials on the FMA pipes instead of the MUFU unit (common.exp2_split).  Off until measured.
     poly_exp2: int = 0
