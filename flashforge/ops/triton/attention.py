@@ -165,7 +165,9 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
         # a KV-cache call: its own tiles where its rows (x the group, packed) fit one of them
         d_cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0,
                            arch=_arch(q), decode=True)
-        if max_sq * group <= d_cfg.block_m or d_cfg.block_m >= cfg.block_m:  # (the latter: every KV-cache call)
+        # the latter two: every KV-cache call; D > 128 keeps its fwd_decode tiles (ptxas-checked for
+        # paged and split calls, configs.py) under the taller forward tiles
+        if max_sq * group <= d_cfg.block_m or d_cfg.block_m >= cfg.block_m or max(D, Dv) > 128:
             cfg = d_cfg
     o = rec.fresh(torch.empty, q.shape[0], Sq, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = rec.fresh(torch.empty, q.shape[0], Hq, Sq, dtype=torch.float32, device=q.device)

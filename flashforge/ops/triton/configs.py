@@ -94,7 +94,10 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # (benchmarks/profile/short_calls.py): Gluon 348 in a CUDA graph and 307 eager against the portable
     # 321 and 219 (it also needs ~100 us less host time per call), so Gluon serves all lengths
     ("fwd_gluon_causal", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, v_stages=1),
-    ("fwd", 256, 2): TileConfig(64, 32, 4, 2),
+    # D = 256 (H200, benchmarks/tune/bwd256_sweep.py, RESULTS.md v0.8.1; bf16 TFLOP/s, S = 4k / 16k
+    # causal): the forward in 128 x 32 tiles, 8 warps, 3 stages through TMA 448 / 464 against 351 / 351
+    # for 64 x 32 x 4 warps (which spilled nothing; more rows per program is what paid)
+    ("fwd", 256, 2): TileConfig(128, 32, 8, 3, tma=True),
     # The Gluon backward (ops/gluon/attention_bwd_sm90.py) for the calls in the Gluon forward's
     # scope: bwd_kv: block_n keys resident (one warpgroup), block_m-query tiles streamed;
     # bwd_q: block_m queries resident, block_n-key tiles streamed.  H200 sweep, S = 4k, whole
@@ -114,13 +117,22 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # dropout 0.1, D = 128, S = 4k, fwd+bwd: 187 TFLOP/s fused against 160 split (cuDNN 181);
     # fused with 64 x 64 tiles 114.  (deterministic=True still takes the split backward.)
     ("bwd_kv_dropout", 128, 2): TileConfig(64, 128, 8, 3, fused_dq=True),
-    ("bwd_kv", 256, 2): TileConfig(16, 64, 8, 1),
+    # D = 256 dK / dV: split_kv (dV, then dK, in two launches of one float32 accumulator each:
+    # 128 keys x 256 over two warpgroups, nothing computed twice; one more q k^T per tile).
+    # Backward-only TFLOP/s, bf16 S = 4k / 16k causal: 226 / 235 against 67 / 74 for the one-launch
+    # 16 x 64 tiles, whose two accumulators spilled 496-752 B per thread (sm90_compile_check's
+    # stack column).  Dropout keeps the one-launch tiles: the split draws its mask twice and that
+    # case was not timed (the issue: dropout must not get slower).
+    ("bwd_kv", 256, 2): TileConfig(16, 128, 8, 3, split_kv=True),
+    ("bwd_kv_dropout", 256, 2): TileConfig(16, 64, 8, 1),
     ("bwd_kv", 64, 4): TileConfig(32, 64, 4, 2),
     ("bwd_kv", 128, 4): TileConfig(16, 64, 4, 1),
     ("bwd_kv", 256, 4): TileConfig(16, 32, 4, 1),
     ("bwd_q", 64, 2): TileConfig(128, 64, 8, 3),
     ("bwd_q", 128, 2): TileConfig(128, 64, 8, 3),
-    ("bwd_q", 256, 2): TileConfig(64, 32, 8, 1),
+    # D = 256 dQ: 128 x 32 x 8 warps x 2 stages, no spill (64 x 32 spilled 264-464 B): with the
+    # old dK/dV tiles 82 against 67 TFLOP/s backward-only
+    ("bwd_q", 256, 2): TileConfig(128, 32, 8, 2),
     ("bwd_q", 64, 4): TileConfig(64, 32, 4, 2),
     ("bwd_q", 128, 4): TileConfig(32, 32, 4, 1),
     ("bwd_q", 256, 4): TileConfig(32, 16, 4, 1),
