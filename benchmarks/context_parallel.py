@@ -411,6 +411,7 @@ def overlap(device, dtype, W: int, tokens: int, D: int, link_gbps: float) -> lis
     cycles = _cycles_per_ms(device) if cuda else 0.0
     params = AttnParams(scale=D ** -0.5, window_right=0)
     rows = []
+    t_start = time.perf_counter()
     for (Hq, Hkv), layout in itertools.product(HEADS, LAYOUTS):
         S = W * tokens
         gen = torch.Generator(device).manual_seed(5)
@@ -463,6 +464,8 @@ def overlap(device, dtype, W: int, tokens: int, D: int, link_gbps: float) -> lis
         # the backward's last round (index W) only sends dK/dV home, after all the attention: nothing hides it
         fwd = [_overlapped(*e[1:]) for _, t in results for e in t.log["fwd"]]
         bwd = [_overlapped(*e[1:]) for _, t in results for e in t.log["bwd"] if e[0] < W]
+        print(f"  overlap {Hq}/{Hkv} {layout}: exact={ok} ({time.perf_counter() - t_start:.0f} s since the start)",
+              flush=True)  # progress: compiling the first case's kernels takes a while on a fresh machine
         rows.append(dict(heads=f"{Hq}/{Hkv}", layout=layout, W=W, tokens_per_rank=tokens, exact=ok,
                          wrong_stream=sum(t.wrong_stream for _, t in results),
                          fwd_steps=len(fwd), fwd_overlapped_min=min(fwd, default=None),
