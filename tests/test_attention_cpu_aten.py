@@ -38,6 +38,7 @@ def calls(monkeypatch):
 def small_blocks(request, monkeypatch):
     """Causal cuts down to diagonal blocks of 1 or 4 rows; low-precision keys 3 or 8 at a time."""
     monkeypatch.setattr(aten, "MIN_BLOCK", request.param[0])
+    monkeypatch.setattr(aten, "MULTI_THREAD_CUT_MAX", 2**30)  # cut whatever the thread count
     monkeypatch.setattr(aten, "KEY_CHUNK", request.param[1])
 
 
@@ -144,6 +145,22 @@ def test_causal_cut_levels():
     parts = aten._plan(2048, 2048, 0)
     assert [(p.rows.n, p.rows.size, p.causal) for p in parts] == [
         (8, 256, True), (1, 1024, False), (2, 512, False), (4, 256, False)]
+
+
+@pytest.mark.parametrize("threads,N,cut", [(1, 1024, True), (2, 1024, False), (2, 512, True), (2, 2048, False)])
+def test_cut_depends_on_threads(threads, N, cut):
+    """On one thread every causal triangle is cut; on more, only those of at most
+    MULTI_THREAD_CUT_MAX queries (the others run as one causal call)."""
+    q = torch.zeros(1, N, 1, 8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        parts = aten._parts(q, q, _params(window_right=0))
+    finally:
+        torch.set_num_threads(before)
+    assert (len(parts) > 1) == cut
+    if not cut:
+        assert parts[0].causal and parts[0].rows.size == N
 
 
 def test_large_lse_takes_the_chunked_path(calls):

@@ -29,7 +29,9 @@ The triangle is cut in halves, ``L`` times over: the diagonal blocks (one causal
 the blocks stacked as a batch: views, no copies) and at each level the rectangles below
 the diagonal (one plain call per level).  The kernel itself skips whole 512-key blocks only:
 of a square of 512, 1024, 2048 queries it computes 1.0, 0.75, 0.62; cut down to blocks of
-256 (`MIN_BLOCK`), 0.75, 0.62, 0.56.  Each call returns its part of the rows' softmax with
+256 (`MIN_BLOCK`), 0.75, 0.62, 0.56.  On more than one thread only triangles of at most
+`MULTI_THREAD_CUT_MAX` queries are cut: there the smaller calls lose more than the skipped
+work saves (measured on 2 threads at 1024 and 2048 queries).  Each call returns its part of the rows' softmax with
 its own lse; the forward merges the parts by their lse, the backward runs each part's backward against the whole
 rows' o and lse (which is all the FA2 backward needs) and sums the parts' gradients.
 
@@ -44,6 +46,7 @@ No atomics and a fixed order of calls and merges: results are bitwise reproducib
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -51,9 +54,12 @@ from torch import Tensor
 
 from .params import AttnParams
 
-__all__ = ["serves", "exact_lse", "forward", "backward", "LSE_BOUND", "KEY_CHUNK", "MIN_BLOCK"]
+__all__ = ["serves", "exact_lse", "forward", "backward", "LSE_BOUND", "KEY_CHUNK", "MIN_BLOCK",
+           "MULTI_THREAD_CUT_MAX"]
 
-_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+# torch's Python binding of the forward where it has one: ~14 us less per call than the op overload
+_FWD = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None) \
+    or torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,6 +76,11 @@ NATIVE_MAX_KEYS = 512
 #: Each level costs one more call and a merge over half the rows, and the kernel runs calls of
 #: fewer than 192 queries in 32-row blocks, less efficiently: 128 measured no better on 1 thread.
 MIN_BLOCK = 256
+#: On more than one thread, triangles of more queries than this are not cut (the kernel's own
+#: causal runs them): the cut's smaller calls scale worse over threads than one big call, and
+#: measured 0.91-0.93x the uncut call at 1024 and 2048 queries on 2 threads (1.07x at 512, where
+#: the kernel's one 512-key block computes the whole square), while on 1 thread it gains 1-26%.
+MULTI_THREAD_CUT_MAX = 512
 
 
 def serves(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], params: AttnParams) -> bool:
@@ -127,15 +138,16 @@ class _Part(NamedTuple):
     first: bool  # the first part of its rows: written, not merged
 
 
-def _plan(Sq: int, Sk: int, c: Optional[int], key_chunk: Optional[int] = None) -> list[_Part]:
+def _plan(Sq: int, Sk: int, c: Optional[int], key_chunk: Optional[int] = None, cut: bool = True) -> list[_Part]:
     """The kernel calls of one attention call (c: the causal offset, None when not causal); with
-    ``key_chunk``, parts of one block take their keys that many at a time."""
+    ``key_chunk``, parts of one block take their keys that many at a time; ``cut=False`` leaves
+    the causal triangle whole."""
     N = 0 if c is None else min(Sq, Sk - c)  # queries that do not see every key
     if N <= 0:
         parts = [_Part(_span(0, Sq), _span(0, Sk), False, True)]
     else:
         L = 0
-        while N % 2 ** (L + 1) == 0 and N // 2 ** (L + 1) >= MIN_BLOCK:
+        while cut and N % 2 ** (L + 1) == 0 and N // 2 ** (L + 1) >= MIN_BLOCK:
             L += 1
         b = N >> L
         parts = [_Part(_Sel(0, 2 ** L, b, 0, b), _Sel(c, 2 ** L, b, 0, b), True, True)]
@@ -181,9 +193,18 @@ def _f32(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
-def _parts(q: Tensor, k: Tensor, params: AttnParams, key_chunk: Optional[int] = None) -> list[_Part]:
+def _parts(q: Tensor, k: Tensor, params: AttnParams, key_chunk: Optional[int] = None) -> tuple[_Part, ...]:
     Sq, Sk = q.shape[1], k.shape[1]
-    return _plan(Sq, Sk, None if params.window_right < 0 else _causal_offset(params, Sq, Sk), key_chunk)
+    c = None if params.window_right < 0 else _causal_offset(params, Sq, Sk)
+    cut = c is None or min(Sq, Sk - c) <= MULTI_THREAD_CUT_MAX or torch.get_num_threads() == 1
+    return _cached_plan(Sq, Sk, c, key_chunk, cut, MIN_BLOCK)
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_plan(Sq: int, Sk: int, c: Optional[int], key_chunk: Optional[int], cut: bool,
+                 min_block: int) -> tuple[_Part, ...]:
+    """`_plan`, kept per shape (``min_block``: the `MIN_BLOCK` it was made with)."""
+    return tuple(_plan(Sq, Sk, c, key_chunk, cut))
 
 
 # Grouped-query attention without repeating K/V: the G query heads of a kv head become G rows
@@ -255,8 +276,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, params: AttnParams) -> tuple[Tensor
     if len(parts) == 1 and (G == 1 or not parts[0].causal):  # one call: the most common, and the one
         o, lse = _FWD(qr.transpose(1, 2), _f32(k).transpose(1, 2), _f32(v).transpose(1, 2), 0.0,  # views cost most
                       parts[0].causal, scale=params.scale)
-        if G == 1:
-            return o.transpose(1, 2).to(q.dtype).contiguous(), lse.contiguous()
+        if G == 1:  # o: a [B, Sq, H, D] tensor's transposed view
+            o = o.transpose(1, 2)
+            return (o if q.dtype == torch.float32 else o.to(q.dtype)).contiguous(), lse.contiguous()
         return _from_rows(o.transpose(1, 2), G, q.dtype), _lse_from_rows(lse, G)
     o = lse = None  # [B, Sq*G, Hkv, D], [B, Hkv, Sq*G]
     for part in parts:

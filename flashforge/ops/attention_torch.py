@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import attention_cpu_aten as aten
+from . import attention_cpu_decode as decode
 from .dropout import keep_block
 from .params import AttnParams
 from .rope_torch import rope
@@ -328,8 +329,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
         return _varlen_forward(q, k, v, params, lse_lo)
     if params.seqlens_k is not None:
         return _kvcache_forward(q, k, v, params)
-    if aten.serves(q, k, v, mask, params):
-        o, lse = aten.forward(q, k, v, params)
+    route = decode if decode.serves(q, k, v, mask, params) else aten if aten.serves(q, k, v, mask, params) else None
+    if route is not None:
+        o, lse = route.forward(q, k, v, params)
         # a backward will follow (lse_lo asked for): past the bound only the chunked forward
         # writes the lse_lo it needs, so the kernel's result is dropped (rare: diverging logits)
         if lse_lo is None or aten.exact_lse(lse):
