@@ -151,18 +151,14 @@ def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, m_lo, m_h
         # [BN, BM]
         qkt = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)
         if PART == 1:  # P' only: dp is a stand-in whose products (dS) are dead code
-            p_dropt, _, _ = _ds_tile(qkt, qkt, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off,
-                                     win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
-                                     MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                     HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                                     True, BLOCK_M, BLOCK_N, CHECK, HAS_LO)
+            dpt = qkt
         else:
             dpt = tl.dot(b_v, b_dot, input_precision=DOT_PRECISION)
-            p_dropt, _, ds_rawt = _ds_tile(qkt, dpt, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off,
-                                           win_left, win_right, scale, softcap, slope, seed, drop_threshold,
-                                           drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                                           HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                                           True, BLOCK_M, BLOCK_N, CHECK, HAS_LO)
+        p_dropt, _, ds_rawt = _ds_tile(qkt, dpt, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off,
+                                       win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
+                                       MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                                       HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                                       True, BLOCK_M, BLOCK_N, CHECK, HAS_LO)
         # [BN, BDV] += P'^T dO ; [BN, BD] += dS^T Q
         if PART != 2:
             dv = tl.dot(p_dropt.to(b_dot.dtype), tl.trans(b_dot), dv, input_precision=DOT_PRECISION)
