@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_tiles, load_rows, query_block,
                        sequence, slot, wait)
-from .rounding import LOG2E, mul_rn
+from .rounding import LOG2E, exponent, fused_score, mul_rn
 
 
 @gluon.jit
@@ -74,7 +74,8 @@ def _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t, T, n_mt, mt_lo, b, hk, 
 
 @gluon.jit
 def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO, DELTA,
-              col_s: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr):
+              col_s: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr,
+              FUSE: gl.constexpr = False):
     """P^T and dS^T ([keys, queries], float32) of flattened tile t from S^T and dP^T; row_b is
     where the sequence's rows start in lse / delta, less head 0's (b * stride_lb + q_start)."""
     g = t // n_mt
@@ -82,7 +83,7 @@ def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, off
     h = hk * group + g
     o_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
     lse2, lo, delta = _row_stats(LSE, LSE_LO, DELTA, row_b + h.to(gl.int64) * stride_lh, o_m, Sq, HAS_LO)
-    x = mul_rn(st, qk_scale) - lse2[None, :]  # the forward's score, exactly (rounding.py)
+    x = exponent(st, qk_scale, lse2[None, :], FUSE)  # the forward's score, exactly (rounding.py)
     if MASKED:  # the causal diagonal: key n visible from query m iff n <= m + offset
         x = gl.where(o_n[:, None] <= o_m[None, :] + offset, x, float("-inf"))
     if HAS_LO:
@@ -106,14 +107,15 @@ def _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M: gl.conste
 
 @gluon.jit
 def _tile_grads(st, dpt, t, n_mt, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
-                LSE_LO, DELTA, col_s: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr):
+                LSE_LO, DELTA, col_s: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr,
+                FUSE: gl.constexpr = False):
     """P^T and dS^T of flattened tile t: with the causal mask on the first n_masked query tiles of each head."""
     if t % n_mt < n_masked:
         pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
-                            LSE_LO, DELTA, col_s, True, BLOCK_M, HAS_LO)
+                            LSE_LO, DELTA, col_s, True, BLOCK_M, HAS_LO, FUSE=FUSE)
     else:
         pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
-                            LSE_LO, DELTA, col_s, False, BLOCK_M, HAS_LO)
+                            LSE_LO, DELTA, col_s, False, BLOCK_M, HAS_LO, FUSE=FUSE)
     return pt, dst
 
 
@@ -125,6 +127,7 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                               STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
                               HAS_LO: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
+    FUSE: gl.constexpr = fused_score(dtype)  # P's exponent fused from the product (rounding.py)
     pid = gl.program_id(0)  # causal: the first key blocks see the most queries, so run first
     bh = gl.program_id(1)
     Hkv = Hq // group
@@ -188,7 +191,7 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
         st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, 0, s_zero, BLOCK_M, D, STAGES)
         st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
         pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                              offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO)
+                              offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO, FUSE=FUSE)
         if PIPE:
             pt = gl.convert_layout(pt.to(dtype), op_layout)
             dst = gl.convert_layout(dst.to(dtype), op_layout)
@@ -199,7 +202,8 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                 # S^T_t and dP^T_t are done (the older groups); dV, dK of tile t-1 may still run
                 st, dpt = warpgroup_mma_wait(2, deps=(st, dpt))
                 pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq,
-                                              o_n, offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO)
+                                              o_n, offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO,
+                                              FUSE=FUSE)
                 dv, dk, pt, dst = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst))
                 # tile t-1's slot is free
                 _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
@@ -224,7 +228,7 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                 _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
                           q_start, Sq, BLOCK_M, STAGES, VARLEN)
                 pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                                      offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO)
+                                      offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO, FUSE=FUSE)
                 dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES),
                                    dv, is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, t, BLOCK_M, D, STAGES),
@@ -244,9 +248,10 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
 
 @gluon.jit
 def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
-             CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LO: gl.constexpr):
+             CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LO: gl.constexpr,
+             FUSE: gl.constexpr = False):
     """dS ([queries, keys], float32) of one key tile."""
-    x = mul_rn(s, qk_scale) - lse2[:, None]  # the forward's score, exactly (rounding.py)
+    x = exponent(s, qk_scale, lse2[:, None], FUSE)  # the forward's score, exactly (rounding.py)
     if MASKED:  # keys past Sk (zero-filled: dS K would still mix their scores in) or the causal diagonal
         o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = o_n[None, :] < Sk
@@ -267,6 +272,7 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
                             V_STAGES: gl.constexpr, VARLEN: gl.constexpr, DELTA_HERE: gl.constexpr,
                             HAS_DLSE: gl.constexpr, HAS_LO: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
+    FUSE: gl.constexpr = fused_score(dtype)  # P's exponent fused from the product (rounding.py)
     b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
     b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
                                                    bottom_right, VARLEN)
@@ -336,10 +342,10 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
         load_rows(v_desc, v_ring, v_bars, V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
         if n_full > 0:
             ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False, CAUSAL, BLOCK_N,
-                          HAS_LO)
+                          HAS_LO, FUSE=FUSE)
         else:
             ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True, CAUSAL, BLOCK_N,
-                          HAS_LO)
+                          HAS_LO, FUSE=FUSE)
         ds = gl.convert_layout(ds.to(dtype), op_layout)
         for j in range(1, n_tiles):
             wait(k_bars, j, STAGES)
@@ -354,10 +360,10 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
             load_rows(v_desc, v_ring, v_bars, j + V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
             if j < n_full:
                 ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False,
-                                  CAUSAL, BLOCK_N, HAS_LO)
+                                  CAUSAL, BLOCK_N, HAS_LO, FUSE=FUSE)
             else:
                 ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True,
-                                  CAUSAL, BLOCK_N, HAS_LO)
+                                  CAUSAL, BLOCK_N, HAS_LO, FUSE=FUSE)
             dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
             load_rows(k_desc, k_ring, k_bars, j - 1 + STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
             ds = gl.convert_layout(ds_new.to(dtype), op_layout)

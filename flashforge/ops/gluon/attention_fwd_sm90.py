@@ -32,12 +32,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_tiles, load_rows, query_block,
                        sequence, slot, wait)
-from .rounding import LN2, LOG2E, mul_rn
+from .rounding import LN2, LOG2E, exponent, fused_score, mul_rn
 
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
-                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, FUSE: gl.constexpr = False):
     """One tile's online-softmax update: (p, alpha, m_new, l_new) in log2 units."""
     if MASKED:  # keys past Sk (zero-filled by TMA) or past the causal diagonal
         o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -51,7 +51,7 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, qk_scale, s_layout: gl.const
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         m_shift = m_new
-    p = gl.exp2(mul_rn(s, qk_scale) - m_shift[:, None])  # the max's own exponent is exactly 0 (rounding.py)
+    p = gl.exp2(exponent(s, qk_scale, m_shift[:, None], FUSE))  # the max's exponent: 0, or its product's rounding
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
@@ -66,6 +66,7 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
     # STORE_LO: also write LSE_LO (lse's strides), what the backward's lse * LOG2E misses of
     # m + log2(l) (`flashforge.ops.params`)
     dtype: gl.constexpr = q_desc.dtype
+    FUSE: gl.constexpr = fused_score(dtype)  # P's exponent fused from the product (rounding.py)
     b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
     # packed: this sequence's rows and lengths (Sq, Sk, offset become its own)
     b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
@@ -121,10 +122,10 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
         load_rows(k_desc, k_ring, k_bars, STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
         if n_full > 0:
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, o_m, Sk, offset, qk_scale, s_layout, False, CAUSAL,
-                                               BLOCK_N)
+                                               BLOCK_N, FUSE=FUSE)
         else:
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, o_m, Sk, offset, qk_scale, s_layout, True, CAUSAL,
-                                               BLOCK_N)
+                                               BLOCK_N, FUSE=FUSE)
         p = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_tiles):
@@ -138,10 +139,10 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
             load_rows(k_desc, k_ring, k_bars, j + STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
             if j < n_full:
                 p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
-                                                       False, CAUSAL, BLOCK_N)
+                                                       False, CAUSAL, BLOCK_N, FUSE=FUSE)
             else:
                 p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
-                                                       True, CAUSAL, BLOCK_N)
+                                                       True, CAUSAL, BLOCK_N, FUSE=FUSE)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
             load_rows(v_desc, v_ring, v_bars, j - 1 + V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES,
                       VARLEN)

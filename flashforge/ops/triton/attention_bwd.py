@@ -24,8 +24,8 @@ dS = P * (dP' - delta) where dP' is dO V^T with the dropout mask applied.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, batch_head, full_key_range, full_query_range, key_range, load_offset, load_slope,
-                     load_tile, lse_row0, mul_rn, query_range, score_tile, seq_bounds)
+from .common import (LOG2E, batch_head, full_key_range, full_query_range, fused_score, key_range, load_offset,
+                     load_slope, load_tile, lse_row0, mul_rn, query_range, score_exponent, score_tile, seq_bounds)
 from .dropout import dropout_keep
 
 
@@ -68,11 +68,12 @@ def _ds_tile(qk, dp, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off, win_left,
              HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ALIBI: tl.constexpr,
              TRANSPOSED: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr = True,
-             HAS_LO: tl.constexpr = False):
+             HAS_LO: tl.constexpr = False, IN_DTYPE: tl.constexpr = None):
     """From qk = <q, k> and dp = dO V^T (both [BM, BN], or [BN, BM] if TRANSPOSED),
     return (P' = P with dropout applied and scaled, dS w.r.t. the score,
     dS w.r.t. the raw product <q, k> divided by scale).  lse2, lo: the row's
-    `_load_row_stats` (lo read only with HAS_LO)."""
+    `_load_row_stats` (lo read only with HAS_LO).  IN_DTYPE: q's and k's (`fused_score`)."""
+    FUSE: tl.constexpr = fused_score(IN_DTYPE, not (HAS_SOFTCAP or HAS_ALIBI or (HAS_MASK and not MASK_BOOL)))
     if TRANSPOSED:
         i2 = o_m[None, :]
         j2 = o_n[:, None]
@@ -88,7 +89,7 @@ def _ds_tile(qk, dp, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off, win_left,
     s2, t = score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softcap, slope,
                        MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                        HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_ALIBI, CHECK)
-    x = s2 - lse2b  # exact near the row's maximum (`mul_rn`)
+    x = score_exponent(qk, s2, scale * LOG2E, lse2b, FUSE, CHECK or HAS_MASK)  # the forward's, exactly
     if HAS_LO:
         x = x - lob
     p = tl.exp2(x)
@@ -158,7 +159,7 @@ def _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, m_lo, m_h
                                        win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
                                        MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                        HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                                       True, BLOCK_M, BLOCK_N, CHECK, HAS_LO)
+                                       True, BLOCK_M, BLOCK_N, CHECK, HAS_LO, b_k.dtype)
         # [BN, BDV] += P'^T dO ; [BN, BD] += dS^T Q
         if PART != 2:
             dv = tl.dot(p_dropt.to(b_dot.dtype), tl.trans(b_dot), dv, input_precision=DOT_PRECISION)
@@ -307,7 +308,7 @@ def _dq_tiles(dq, b_q, b_do, K, V, lse2, lo, delta, n_lo, n_hi, o_m, o_d, o_dv, 
                                 win_left, win_right, scale, softcap, slope, seed, drop_threshold, drop_scale,
                                 MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                 HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                                False, BLOCK_M, BLOCK_N, CHECK, HAS_LO)
+                                False, BLOCK_M, BLOCK_N, CHECK, HAS_LO, b_q.dtype)
         # [BM, BD] += dS K
         dq = tl.dot(ds_raw.to(b_kt.dtype), tl.trans(b_kt), dq, input_precision=DOT_PRECISION)
     return dq
@@ -464,7 +465,7 @@ def attn_bwd_dmask_kernel(
                                         wl, wr, scale, softcap, slope, seed, drop_threshold, drop_scale,
                                         MASK, stride_mb, stride_mh, stride_mm, stride_mn,
                                         True, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                                        False, BLOCK_M, BLOCK_N, True, HAS_LO)
+                                        False, BLOCK_M, BLOCK_N, True, HAS_LO, b_q.dtype)
                     acc += ds
 
     # reduce the tile over broadcast rows / columns; such a dim has size 1 in dmask

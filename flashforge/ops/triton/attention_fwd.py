@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import (LN2, LOG2E, batch_head, exp2_split, full_key_range, key_range, key_rows, load_offset,
-                     load_slope, load_tile, lse_row0, mul_rn, score_tile, seq_bounds)
+from .common import (LN2, LOG2E, batch_head, exp2_split, full_key_range, fused_score, key_range, key_rows,
+                     load_offset, load_slope, load_tile, lse_row0, mul_rn, score_exponent, score_tile, seq_bounds)
 from .dropout import dropout_keep
 from .rope import rope_cos_sin, rope_partner, rope_rotate
 
@@ -39,6 +39,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_pages, K_DESC, V_DESC, hk, n_lo, 
     # head dims that fill their padded width need no column masks on the loads
     EVEN_D: tl.constexpr = (D == BLOCK_D) and (DV == BLOCK_DV)
     PLAIN: tl.constexpr = SCALE_POS and not (CHECK or HAS_MASK or HAS_SOFTCAP or HAS_ALIBI)
+    FUSE: tl.constexpr = fused_score(b_q.dtype, not (HAS_SOFTCAP or HAS_ALIBI or (HAS_MASK and not MASK_BOOL)))
     # a paged cache whose pages hold whole key tiles (tiles start at multiples of BLOCK_N):
     # one block-table entry per tile, read one iteration ahead -- looked up in the same
     # iteration, it sat in front of every tile's load (H200 decode, B = 4, 128k keys:
@@ -73,7 +74,8 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_pages, K_DESC, V_DESC, hk, n_lo, 
             c = scale * LOG2E
             m_new = tl.maximum(m_i, tl.max(qk, axis=1) * c)
             m_shift = m_new
-            p = exp2_split(mul_rn(qk, c) - m_shift[:, None], POLY_EXP2, BLOCK_N)  # as score_tile rounds it
+            # (mul_rn(qk, c): score_tile's score, dead code where FUSE)
+            p = exp2_split(score_exponent(qk, mul_rn(qk, c), c, m_shift[:, None], FUSE, False), POLY_EXP2, BLOCK_N)
         else:
             s2, _ = score_tile(qk, o_m[:, None], o_n[None, :], b, h, Sq, Sk, off, win_left, win_right, scale,
                                softcap, slope, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
@@ -81,7 +83,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_pages, K_DESC, V_DESC, hk, n_lo, 
             m_new = tl.maximum(m_i, tl.max(s2, axis=1))
             # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s2 - m_shift[:, None])
+            p = tl.exp2(score_exponent(qk, s2, scale * LOG2E, m_shift[:, None], FUSE, True))
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if HAS_DROPOUT:

@@ -34,6 +34,48 @@ def mul_rn(a, b):
     return r
 
 
+@triton.jit
+def fms_rn(a, b, c):
+    """a * b - c rounded once (`fma.rn`).  The negation sits inside the asm, where ptxas folds it
+    into the FFMA's operand (negated outside, it costs an instruction per element of c's
+    broadcast).  The interpreter forms it in float64: a float32 product is exact there, so only
+    the difference rounds (to float64, then to float32: twice, a tie apart)."""
+    if INTERPRETING:
+        r = (a.to(tl.float64) * b - c).to(tl.float32)
+    else:
+        r = tl.inline_asm_elementwise("{ .reg .f32 t; neg.f32 t, $3; fma.rn.f32 $0, $1, $2, t; }", "=r,r,r,r",
+                                      [a, tl.zeros_like(a) + b, c], dtype=tl.float32, is_pure=True, pack=1)
+    return r
+
+
+@triton.constexpr_function
+def fused_score(dtype, plain=True):
+    """Whether P's exponent is formed as ``fma(qk, c, -shift)``, the product unrounded, one
+    instruction (bfloat16 inputs whose score is the plain product, `plain`: no softcap, ALiBi or
+    additive bias), or as ``mul_rn(qk, c) - shift``, two (float16 and float32, and every score
+    with a modifier).  Forward and backward take the same form from the same inputs, so either
+    way they recompute the same P.  The fused form's exponent at a row's maximum is the
+    product's rounding error, up to ulp(max) / 2, not 0: an unnormalised weight reaches
+    2**(ulp / 2), harmless in bfloat16's range while |score * log2(e)| < 2**32 (at 1e4 per
+    element and D = 64 it is 2**30) but inf in float16's past 2**16 (a score of 1e8); float32
+    inputs keep the exact form at any magnitude."""
+    return dtype == tl.bfloat16 and plain
+
+
+@triton.jit
+def score_exponent(qk, s2, c, shift, FUSE: tl.constexpr, MASKED: tl.constexpr):
+    """P's exponent ``s2 - shift`` (log2 units) for s2 = `score_tile`(qk), shift the row's max
+    (forward) or lse2 (backward), broadcastable to qk's shape; with FUSE (`fused_score`, c =
+    scale * LOG2E as score_tile forms it) straight from the product.  MASKED: s2 may hold -inf
+    (invisible keys), which stays -inf."""
+    if FUSE:
+        x = fms_rn(qk, c, shift)
+        if MASKED:
+            x = tl.where(s2 == float("-inf"), float("-inf"), x)
+    else:
+        x = s2 - shift
+    return x
+
 
 @triton.jit
 def tanh(x):
