@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_tiles, load_rows, query_block,
                        sequence, slot, wait)
+from ..triton.common import lo_from
 from .rounding import LOG2E, exponent, fused_score, mul_rn
 
 
@@ -70,6 +71,27 @@ def _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t, T, n_mt, mt_lo, b, hk, 
     mbarrier.expect(bars.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=t < T)
     copy_in(q_desc, b, m, h, q_start, Sq, bars.index(slot), q_ring.index(slot), t < T, VARLEN)
     copy_in(do_desc, b, m, h, q_start, Sq, bars.index(slot), do_ring.index(slot), t < T, VARLEN)
+
+
+# below this |lse * log2(e)| lse_lo is left out (`_lo_needed`; the 16-bit inputs' `lo_from`)
+LO_FROM = gl.constexpr(lo_from.fn(gl.bfloat16))
+
+
+@gluon.jit
+def _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps: gl.constexpr):
+    """Whether some row of this sequence in the GQA group's heads has |lse * log2(e)| >= LO_FROM,
+    so that a dK/dV program must subtract lse_lo (a second copy of its loop does): one pass over
+    the group's lse, a few loads per thread for each program's hundreds of score tiles."""
+    CHUNK: gl.constexpr = 4 * 32 * num_warps
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+    far = gl.zeros([CHUNK], gl.float32, layout=layout)
+    for g in range(group):
+        base = row_b + (hk * group + g).to(gl.int64) * stride_lh
+        for m in range(0, Sq, CHUNK):
+            o = m + gl.arange(0, CHUNK, layout=layout)
+            lse = gl.load(LSE + base + o, mask=o < Sq, other=0.0)
+            far = gl.maximum(far, gl.where(lse == float("-inf"), 0.0, gl.abs(lse)))
+    return gl.max(far, axis=0) * LOG2E >= LO_FROM
 
 
 @gluon.jit
@@ -117,6 +139,63 @@ def _tile_grads(st, dpt, t, n_mt, n_masked, mt_lo, hk, group, row_b, stride_lh, 
         pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
                             LSE_LO, DELTA, col_s, False, BLOCK_M, HAS_LO, FUSE=FUSE)
     return pt, dst
+
+
+@gluon.jit
+def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked, mt_lo, b, hk,
+                group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO, DELTA,
+                col_s: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_M: gl.constexpr,
+                D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
+                HAS_LO: gl.constexpr, FUSE: gl.constexpr):
+    """dK, dV (float32, unscaled) over the T > 0 flattened query tiles: the kernel's main loop."""
+    # tile 0: its S^T, dP^T alone, so each loop below always has a tile's P^T, dS^T in hand
+    st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, 0, s_zero, BLOCK_M, D, STAGES)
+    st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+    pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
+                          offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO, FUSE=FUSE)
+    if PIPE:
+        pt = gl.convert_layout(pt.to(dtype), op_layout)
+        dst = gl.convert_layout(dst.to(dtype), op_layout)
+        for t in range(1, T):
+            st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
+            dv = warpgroup_mma(pt, slot(do_ring, t - 1, BLOCK_M, D, STAGES), dv, is_async=True)
+            dk = warpgroup_mma(dst, slot(q_ring, t - 1, BLOCK_M, D, STAGES), dk, is_async=True)
+            # S^T_t and dP^T_t are done (the older groups); dV, dK of tile t-1 may still run
+            st, dpt = warpgroup_mma_wait(2, deps=(st, dpt))
+            pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq,
+                                          o_n, offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO,
+                                          FUSE=FUSE)
+            dv, dk, pt, dst = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst))
+            # tile t-1's slot is free
+            _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
+                      q_start, Sq, BLOCK_M, STAGES, VARLEN)
+            pt = gl.convert_layout(pt_new.to(dtype), op_layout)
+            dst = gl.convert_layout(dst_new.to(dtype), op_layout)
+        last = T - 1
+        dv = warpgroup_mma(pt, slot(do_ring, last, BLOCK_M, D, STAGES), dv, is_async=True)
+        dk = warpgroup_mma(dst, slot(q_ring, last, BLOCK_M, D, STAGES), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    else:
+        # one tile at a time (fewer live registers; another program on the SM fills the gaps):
+        # tile t's dV, dK products run while tile t+1's slot is awaited and its S^T, dP^T issued
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, 0, BLOCK_M, D, STAGES), dv,
+                           is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, 0, BLOCK_M, D, STAGES), dk,
+                           is_async=True)
+        for t in range(1, T):
+            st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
+            # also retires tile t-1's dV, dK: its slot is free
+            st, dpt, dv, dk = warpgroup_mma_wait(0, deps=(st, dpt, dv, dk))
+            _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
+                      q_start, Sq, BLOCK_M, STAGES, VARLEN)
+            pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
+                                  offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO, FUSE=FUSE)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES),
+                               dv, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, t, BLOCK_M, D, STAGES),
+                               dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    return dk, dv
 
 
 @gluon.jit
@@ -187,53 +266,20 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     v_t = v_smem.reshape([BLOCK_N, D])
 
     if T > 0:
-        # tile 0: its S^T, dP^T alone, so each loop below always has a tile's P^T, dS^T in hand
-        st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, 0, s_zero, BLOCK_M, D, STAGES)
-        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-        pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                              offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO, FUSE=FUSE)
-        if PIPE:
-            pt = gl.convert_layout(pt.to(dtype), op_layout)
-            dst = gl.convert_layout(dst.to(dtype), op_layout)
-            for t in range(1, T):
-                st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
-                dv = warpgroup_mma(pt, slot(do_ring, t - 1, BLOCK_M, D, STAGES), dv, is_async=True)
-                dk = warpgroup_mma(dst, slot(q_ring, t - 1, BLOCK_M, D, STAGES), dk, is_async=True)
-                # S^T_t and dP^T_t are done (the older groups); dV, dK of tile t-1 may still run
-                st, dpt = warpgroup_mma_wait(2, deps=(st, dpt))
-                pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq,
-                                              o_n, offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO,
-                                              FUSE=FUSE)
-                dv, dk, pt, dst = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst))
-                # tile t-1's slot is free
-                _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
-                          q_start, Sq, BLOCK_M, STAGES, VARLEN)
-                pt = gl.convert_layout(pt_new.to(dtype), op_layout)
-                dst = gl.convert_layout(dst_new.to(dtype), op_layout)
-            last = T - 1
-            dv = warpgroup_mma(pt, slot(do_ring, last, BLOCK_M, D, STAGES), dv, is_async=True)
-            dk = warpgroup_mma(dst, slot(q_ring, last, BLOCK_M, D, STAGES), dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        if HAS_LO:
+            # lse_lo only where some row of the group is far from 0 (`_lo_needed`): elsewhere it is
+            # below what the exponent can tell, and its subtraction per score costs ~5% of a step
+            lo_here = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
         else:
-            # one tile at a time (fewer live registers; another program on the SM fills the gaps):
-            # tile t's dV, dK products run while tile t+1's slot is awaited and its S^T, dP^T issued
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, 0, BLOCK_M, D, STAGES), dv,
-                               is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, 0, BLOCK_M, D, STAGES), dk,
-                               is_async=True)
-            for t in range(1, T):
-                st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
-                # also retires tile t-1's dV, dK: its slot is free
-                st, dpt, dv, dk = warpgroup_mma_wait(0, deps=(st, dpt, dv, dk))
-                _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
-                          q_start, Sq, BLOCK_M, STAGES, VARLEN)
-                pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                                      offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO, FUSE=FUSE)
-                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES),
-                                   dv, is_async=True)
-                dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, t, BLOCK_M, D, STAGES),
-                                   dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            lo_here = False
+        if lo_here:
+            dk, dv = _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked,
+                                 mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO,
+                                 DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES, PIPE, VARLEN, True, FUSE)
+        else:
+            dk, dv = _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked,
+                                 mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO,
+                                 DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES, PIPE, VARLEN, False, FUSE)
 
     mbarrier.invalidate(kv_bar)
     invalidate_barriers(bars, STAGES)
@@ -262,6 +308,54 @@ def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout: gl
         x = x - lo[:, None]
     p = gl.exp2(x)
     return p * (dp - delta[:, None])
+
+
+@gluon.jit
+def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_tiles, n_full, b, hk, k_start,
+              Sk, o_m, lse2, lo, delta, offset, qk_scale, s_layout: gl.constexpr, op_layout: gl.constexpr,
+              dtype: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+              V_STAGES: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, HAS_LO: gl.constexpr,
+              FUSE: gl.constexpr):
+    """dQ (float32, unscaled) over the n_tiles > 0 key tiles: the kernel's main loop."""
+    wait(k_bars, 0, STAGES)
+    wait(v_bars, 0, V_STAGES)
+    s = warpgroup_mma(q_t, slot(k_ring, 0, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)
+    dp = warpgroup_mma(do_t, slot(v_ring, 0, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero, use_acc=False,
+                       is_async=True)
+    s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+    load_rows(v_desc, v_ring, v_bars, V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
+    if n_full > 0:
+        ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False, CAUSAL, BLOCK_N,
+                      HAS_LO, FUSE=FUSE)
+    else:
+        ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True, CAUSAL, BLOCK_N,
+                      HAS_LO, FUSE=FUSE)
+    ds = gl.convert_layout(ds.to(dtype), op_layout)
+    for j in range(1, n_tiles):
+        wait(k_bars, j, STAGES)
+        wait(v_bars, j, V_STAGES)
+        s = warpgroup_mma(q_t, slot(k_ring, j, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        dp = warpgroup_mma(do_t, slot(v_ring, j, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds, slot(k_ring, j - 1, BLOCK_N, D, STAGES), dq, is_async=True)
+        # S_j, dP_j are done; dQ's product of tile j-1 may still run.  V_j's slot is free.
+        s, dp = warpgroup_mma_wait(1, deps=(s, dp))
+        load_rows(v_desc, v_ring, v_bars, j + V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
+        if j < n_full:
+            ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False,
+                              CAUSAL, BLOCK_N, HAS_LO, FUSE=FUSE)
+        else:
+            ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True,
+                              CAUSAL, BLOCK_N, HAS_LO, FUSE=FUSE)
+        dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
+        load_rows(k_desc, k_ring, k_bars, j - 1 + STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
+        ds = gl.convert_layout(ds_new.to(dtype), op_layout)
+    last = n_tiles - 1
+    dq = warpgroup_mma(ds, slot(k_ring, last, BLOCK_N, D, STAGES), dq, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    return dq
 
 
 @gluon.jit
@@ -332,44 +426,18 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
         delta = gl.load(DELTA + row + o_m, mask=o_m < Sq, other=0.0)
 
     if n_tiles > 0:
-        wait(k_bars, 0, STAGES)
-        wait(v_bars, 0, V_STAGES)
-        s = warpgroup_mma(q_t, slot(k_ring, 0, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-        dp = warpgroup_mma(do_t, slot(v_ring, 0, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)
-        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-        load_rows(v_desc, v_ring, v_bars, V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
-        if n_full > 0:
-            ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False, CAUSAL, BLOCK_N,
-                          HAS_LO, FUSE=FUSE)
+        if HAS_LO:  # as in the dK/dV kernel (`_lo_needed`), over this program's rows
+            lo_here = gl.max(gl.where(o_m < Sq, gl.abs(lse2), 0.0), axis=0) >= LO_FROM
         else:
-            ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True, CAUSAL, BLOCK_N,
-                          HAS_LO, FUSE=FUSE)
-        ds = gl.convert_layout(ds.to(dtype), op_layout)
-        for j in range(1, n_tiles):
-            wait(k_bars, j, STAGES)
-            wait(v_bars, j, V_STAGES)
-            s = warpgroup_mma(q_t, slot(k_ring, j, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-            dp = warpgroup_mma(do_t, slot(v_ring, j, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero,
-                               use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds, slot(k_ring, j - 1, BLOCK_N, D, STAGES), dq, is_async=True)
-            # S_j, dP_j are done; dQ's product of tile j-1 may still run.  V_j's slot is free.
-            s, dp = warpgroup_mma_wait(1, deps=(s, dp))
-            load_rows(v_desc, v_ring, v_bars, j + V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
-            if j < n_full:
-                ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False,
-                                  CAUSAL, BLOCK_N, HAS_LO, FUSE=FUSE)
-            else:
-                ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True,
-                                  CAUSAL, BLOCK_N, HAS_LO, FUSE=FUSE)
-            dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
-            load_rows(k_desc, k_ring, k_bars, j - 1 + STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
-            ds = gl.convert_layout(ds_new.to(dtype), op_layout)
-        last = n_tiles - 1
-        dq = warpgroup_mma(ds, slot(k_ring, last, BLOCK_N, D, STAGES), dq, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq, ))
+            lo_here = False
+        if lo_here:
+            dq = _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_tiles, n_full, b, hk,
+                           k_start, Sk, o_m, lse2, lo, delta, offset, qk_scale, s_layout, op_layout, dtype, BLOCK_N, D,
+                           STAGES, V_STAGES, VARLEN, CAUSAL, True, FUSE)
+        else:
+            dq = _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_tiles, n_full, b, hk,
+                           k_start, Sk, o_m, lse2, lo, delta, offset, qk_scale, s_layout, op_layout, dtype, BLOCK_N, D,
+                           STAGES, V_STAGES, VARLEN, CAUSAL, False, FUSE)
 
     mbarrier.invalidate(q_bar)
     invalidate_barriers(k_bars, STAGES)
