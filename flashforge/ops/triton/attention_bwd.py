@@ -352,7 +352,6 @@ def attn_bwd_dq_kernel(
     pid_m = tl.program_id(0)
     if HAS_WR:  # causal-like: the longest query blocks (the last ones) first
         pid_m = tl.num_programs(0) - 1 - pid_m
-    LO_FROM: tl.constexpr = lo_from(Q.dtype.element_ty)
     b, h = batch_head(ORDER, tl.program_id(1), Hq, IS_VARLEN)
     bh = b * Hq + h
     hk = h // GROUP
@@ -391,23 +390,13 @@ def attn_bwd_dq_kernel(
     # key tiles [full_lo, full_hi) need no range / window test
     full_lo, full_hi = full_key_range(m_start, m_start + BLOCK_M - 1, off, win_left, win_right, Sk, lo, hi,
                                       BLOCK_N, HAS_WL, HAS_WR)
-    # the unmasked tiles: with lse_lo only where a row of this block needs it (`lo_needed`)
-    if HAS_LO:
-        lo_here = tl.max(tl.where(o_m < Sq, tl.abs(lse2), 0.0), axis=0) >= LO_FROM
-    else:
-        lo_here = False
-    if lo_here:
-        dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, lo_row, delta, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk,
-                       off, stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold,
-                       drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                       HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                       DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True)
-    else:
-        dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, lo_row, delta, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk,
-                       off, stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold,
-                       drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                       HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
-                       DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, False)
+    # (every tile with lse_lo where it is given: a second copy of this loop, as the dK/dV kernel has,
+    # would double the software pipeline's buffers, past sm_90's shared memory at D = 128 and 256)
+    dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, lo_row, delta, full_lo, full_hi, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
+                   stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold,
+                   drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
+                   HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT, HAS_ALIBI,
+                   DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_LO)
     dq = _dq_tiles(dq, b_q, b_do, K, V, lse2, lo_row, delta, lo, full_lo, o_m, o_d, o_dv, b, h, bh, Sq, Sk, off,
                    stride_ks, stride_vs, win_left, win_right, scale, softcap, slope, seed, drop_threshold,
                    drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
