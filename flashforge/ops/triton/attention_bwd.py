@@ -24,8 +24,8 @@ dS = P * (dP' - delta) where dP' is dO V^T with the dropout mask applied.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, batch_head, full_key_range, full_query_range, fused_score, key_range, lo_from,
-                     lo_needed, load_offset, load_slope, load_tile, lse_row0, mul_rn, query_range, score_exponent,
+from .common import (LOG2E, batch_head, full_key_range, full_query_range, fused_score, key_range, load_offset,
+                     load_slope, load_tile, lse_row0, mul_rn, query_range, score_exponent,
                      score_tile, seq_bounds)
 from .dropout import dropout_keep
 
@@ -198,7 +198,6 @@ def attn_bwd_dkdv_kernel(
     # Tiles here are transposed ([keys, queries]) so that dV += P'^T dO and
     # dK += dS^T Q take the accumulator tiles as they come out of the MMA,
     # with no register transpose.
-    LO_FROM: tl.constexpr = lo_from(Q.dtype.element_ty)
     if SEED_FROM_PTR:  # an unseeded call: the seed was drawn on the device
         seed = tl.load(SEED)
     pid_n = tl.program_id(0)
@@ -254,25 +253,14 @@ def attn_bwd_dkdv_kernel(
         p_q = Q + b64 * stride_qb + h * stride_qh
         p_do = DO + b64 * stride_dob + h * stride_doh
         p_dq = DQ_ACC + b64 * stride_dqb + h * stride_dqh
-        # the unmasked tiles, most of the work: with lse_lo only where this head's rows need it
-        if HAS_LO:
-            lo_here = lo_needed(LSE, row0, Sq, LO_FROM)
-        else:
-            lo_here = False
-        if lo_here:
-            dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, full_lo, full_hi, o_n, o_d,
-                                 o_dv, b, h, bh, Sq, Sk, off, stride_qs, stride_dos, win_left, win_right, scale,
-                                 softcap, slope, seed, drop_threshold, drop_scale, MASK, stride_mb, stride_mh,
-                                 stride_mm, stride_mn, HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
-                                 HAS_ALIBI, DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                 p_dq, stride_dqs, FUSED_DQ, True, PART)
-        else:
-            dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, full_lo, full_hi, o_n, o_d,
-                                 o_dv, b, h, bh, Sq, Sk, off, stride_qs, stride_dos, win_left, win_right, scale,
-                                 softcap, slope, seed, drop_threshold, drop_scale, MASK, stride_mb, stride_mh,
-                                 stride_mm, stride_mn, HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
-                                 HAS_ALIBI, DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                 p_dq, stride_dqs, FUSED_DQ, False, PART)
+        # (every tile with lse_lo where it is given: a second copy of the loop for programs whose rows
+        # do not need it, as the Gluon kernels have, raised this kernel's spills by 40-60%)
+        dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, full_lo, full_hi, o_n, o_d,
+                             o_dv, b, h, bh, Sq, Sk, off, stride_qs, stride_dos, win_left, win_right, scale,
+                             softcap, slope, seed, drop_threshold, drop_scale, MASK, stride_mb, stride_mh,
+                             stride_mm, stride_mn, HAS_MASK, MASK_BOOL, HAS_WL, HAS_WR, HAS_SOFTCAP, HAS_DROPOUT,
+                             HAS_ALIBI, DOT_PRECISION, D, DV, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                             p_dq, stride_dqs, FUSED_DQ, HAS_LO, PART)
         dk, dv = _dkdv_tiles(dk, dv, b_k, b_v, p_q, p_do, LSE, LSE_LO, DELTA, row0, lo, full_lo, o_n, o_d, o_dv, b, h, bh, Sq, Sk, off,
                              stride_qs, stride_dos, win_left, win_right, scale, softcap, slope, seed,
                              drop_threshold, drop_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,

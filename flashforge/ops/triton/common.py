@@ -64,24 +64,12 @@ def fused_score(dtype, plain=True):
 
 @triton.constexpr_function
 def lo_from(dtype):
-    """The |lse * log2(e)| from which a backward program subtracts lse_lo (`lo_needed`).  lse_lo is
+    """The |lse * log2(e)| from which a Gluon backward program subtracts lse_lo (ops/gluon/
+    attention_bwd_sm90.py `_lo_needed`; the portable kernels always do).  lse_lo is
     at most ~2**-22 of it (two float32 roundings), so below 16 (float32 inputs) leaving it out
     moves P by at most 2.6e-6 of itself, below 256 (16-bit inputs) by 4e-5 (float16's ulp is 1e-3):
     no more than the lse the backward had before lse_lo, and flash-attn's."""
     return 16.0 if dtype == tl.float32 else 256.0
-
-
-@triton.jit
-def lo_needed(LSE, row0, n_rows, LO_FROM: tl.constexpr):
-    """Whether some of the n_rows lse values from row0 has |lse * log2(e)| >= LO_FROM (-inf, a row
-    that sees no key, counts as 0): the backward then runs its loop over unmasked tiles in the
-    copy that subtracts lse_lo from every exponent, ~5% of a step's time where it is not needed."""
-    far = tl.zeros([256], tl.float32)
-    for m in range(0, n_rows, 256):
-        o = m + tl.arange(0, 256)
-        lse = tl.load(LSE + row0 + o, mask=o < n_rows, other=0.0)
-        far = tl.maximum(far, tl.where(lse == float("-inf"), 0.0, tl.abs(lse)))
-    return tl.max(far, axis=0) * LOG2E >= LO_FROM
 
 
 @triton.jit
