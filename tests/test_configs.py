@@ -127,6 +127,8 @@ def test_gluon_config_yields_to_forward_overrides():
     # the backward's Gluon entries, likewise per pass
     assert configs.gluon_config(128, 2, True, (9, 0), "bwd_kv") == configs._SM90[("bwd_kv_gluon", 128, 2)]
     assert configs.gluon_config(64, 2, False, (9, 0), "bwd_q") == configs._SM90[("bwd_q_gluon", 64, 2)]
+    assert configs.gluon_config(64, 2, True, (9, 0), "bwd_kv") == configs._SM90[("bwd_kv_gluon", 64, 2)]
+    assert configs.gluon_config(256, 2, False, (9, 0), "bwd_kv") is None  # D = 256: the portable kernels
     assert configs.gluon_config(128, 2, False, (8, 0), "bwd_q") is None
     try:
         configs.set_config("bwd_q", 128, 2, configs.TileConfig(64, 64, 4, 2))
