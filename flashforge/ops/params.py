@@ -37,9 +37,9 @@ subtraction is exact near the row's maximum (the two terms are close), the secon
 adds a small number to a small number.  ``lse_lo=None`` in the backward means 0.  Where
 |lse| <= 64 the term is below 5e-6 and a backend may write 0 (PyTorch's CPU kernel, which
 has no such output: `flashforge.ops.attention_cpu_aten`).  Likewise a backward may leave
-lse_lo out where every row it reads has |lse * log2(e)| below `ops.triton.common.lo_from`
-(16 for float32 inputs, 256 for 16-bit: P moves by at most 2.6e-6 / 4e-5 of itself): the sm_90
-Gluon kernels check their rows once per program and run a loop without the subtraction there.
+lse_lo out where every row it reads has |lse * log2(e)| below 256 (16-bit inputs: P moves by
+at most 4e-5 of itself): the sm_90 Gluon kernels check their rows once per program and run a
+loop without the subtraction there (`ops.gluon.attention_bwd_sm90.LO_FROM`).
 How ``s - shift`` is rounded, the same in every kernel for the same inputs, is
 `ops.triton.common.fused_score`'s rule (one fused multiply-add for bfloat16, the product rounded
 first for float16 and float32).

@@ -36,7 +36,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_tiles, load_rows, query_block,
                        sequence, slot, wait)
-from ..triton.common import lo_from
 from .rounding import LOG2E, exponent, fused_score, mul_rn
 
 
@@ -73,8 +72,11 @@ def _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t, T, n_mt, mt_lo, b, hk, 
     copy_in(do_desc, b, m, h, q_start, Sq, bars.index(slot), do_ring.index(slot), t < T, VARLEN)
 
 
-# below this |lse * log2(e)| lse_lo is left out (`_lo_needed`; the 16-bit inputs' `lo_from`)
-LO_FROM = gl.constexpr(lo_from.fn(gl.bfloat16))
+# Below this |lse * log2(e)| a program leaves lse_lo out (`_lo_needed`).  lse_lo is at most ~2**-22
+# of it (two float32 roundings), so there P moves by at most 4e-5 of itself (float16's ulp is 1e-3):
+# no more than the lse the backward had before lse_lo, and flash-attn's.  (The portable kernels,
+# float32 inputs included, always subtract it.)
+LO_FROM = gl.constexpr(256.0)
 
 
 @gluon.jit

@@ -74,7 +74,7 @@ def _ds_tile(qk, dp, o_m, o_n, lse2, lo, delta, b, h, bh, Sq, Sk, off, win_left,
     return (P' = P with dropout applied and scaled, dS w.r.t. the score,
     dS w.r.t. the raw product <q, k> divided by scale).  lse2, lo: the row's
     `_load_row_stats` (lo read only with HAS_LO).  IN_DTYPE: q's and k's (`fused_score`)."""
-    FUSE: tl.constexpr = fused_score(IN_DTYPE, not (HAS_SOFTCAP or HAS_ALIBI or (HAS_MASK and not MASK_BOOL)))
+    FUSE: tl.constexpr = fused_score(IN_DTYPE, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, HAS_ALIBI)
     if TRANSPOSED:
         i2 = o_m[None, :]
         j2 = o_n[:, None]

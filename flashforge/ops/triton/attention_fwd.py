@@ -39,7 +39,7 @@ def _fwd_tiles(acc, l_i, m_i, b_q, K, V, BT, n_pages, K_DESC, V_DESC, hk, n_lo, 
     # head dims that fill their padded width need no column masks on the loads
     EVEN_D: tl.constexpr = (D == BLOCK_D) and (DV == BLOCK_DV)
     PLAIN: tl.constexpr = SCALE_POS and not (CHECK or HAS_MASK or HAS_SOFTCAP or HAS_ALIBI)
-    FUSE: tl.constexpr = fused_score(b_q.dtype, not (HAS_SOFTCAP or HAS_ALIBI or (HAS_MASK and not MASK_BOOL)))
+    FUSE: tl.constexpr = fused_score(b_q.dtype, HAS_MASK, MASK_BOOL, HAS_SOFTCAP, HAS_ALIBI)
     # a paged cache whose pages hold whole key tiles (tiles start at multiples of BLOCK_N):
     # one block-table entry per tile, read one iteration ahead -- looked up in the same
     # iteration, it sat in front of every tile's load (H200 decode, B = 4, 128k keys:

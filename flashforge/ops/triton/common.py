@@ -49,27 +49,18 @@ def fms_rn(a, b, c):
 
 
 @triton.constexpr_function
-def fused_score(dtype, plain=True):
+def fused_score(dtype, HAS_MASK=False, MASK_BOOL=False, HAS_SOFTCAP=False, HAS_ALIBI=False):
     """Whether P's exponent is formed as ``fma(qk, c, -shift)``, the product unrounded, one
-    instruction (bfloat16 inputs whose score is the plain product, `plain`: no softcap, ALiBi or
-    additive bias), or as ``mul_rn(qk, c) - shift``, two (float16 and float32, and every score
-    with a modifier).  Forward and backward take the same form from the same inputs, so either
-    way they recompute the same P.  The fused form's exponent at a row's maximum is the
-    product's rounding error, up to ulp(max) / 2, not 0: an unnormalised weight reaches
-    2**(ulp / 2), harmless in bfloat16's range while |score * log2(e)| < 2**32 (at 1e4 per
+    instruction (bfloat16 inputs whose score is the plain product: no softcap, ALiBi or additive
+    bias; a boolean mask only hides scores), or as ``mul_rn(qk, c) - shift``, two (float16 and
+    float32, and every score with a modifier).  Forward and backward take the same form from the
+    same inputs, so either way they recompute the same P.  The fused form's exponent at a row's
+    maximum is the product's rounding error, up to ulp(max) / 2, not 0: an unnormalised weight
+    reaches 2**(ulp / 2), harmless in bfloat16's range while |score * log2(e)| < 2**32 (at 1e4 per
     element and D = 64 it is 2**30) but inf in float16's past 2**16 (a score of 1e8); float32
     inputs keep the exact form at any magnitude."""
+    plain = not (HAS_SOFTCAP or HAS_ALIBI or (HAS_MASK and not MASK_BOOL))
     return dtype == tl.bfloat16 and plain
-
-
-@triton.constexpr_function
-def lo_from(dtype):
-    """The |lse * log2(e)| from which a Gluon backward program subtracts lse_lo (ops/gluon/
-    attention_bwd_sm90.py `_lo_needed`; the portable kernels always do).  lse_lo is
-    at most ~2**-22 of it (two float32 roundings), so below 16 (float32 inputs) leaving it out
-    moves P by at most 2.6e-6 of itself, below 256 (16-bit inputs) by 4e-5 (float16's ulp is 1e-3):
-    no more than the lse the backward had before lse_lo, and flash-attn's."""
-    return 16.0 if dtype == tl.float32 else 256.0
 
 
 @triton.jit
