@@ -275,7 +275,7 @@ def step(device, dtype, tokens: int, D: int, reps: int) -> list[dict]:
 
             def step_fwd():
                 o_c, lse_c = block.forward(q, k, v, call, params, backend)
-                block.merge(acc_o[:, rows_q], acc_lse[:, :, rows_q], o_c, lse_c)
+                block.merge(acc_o[:, rows_q], acc_lse[:, :, rows_q], o_c, lse_c, backend)
 
             def step_bwd():
                 dq, dk, dv = block.backward(do, None, q, k, v, o, lse, call, params, backend)

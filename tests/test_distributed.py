@@ -36,6 +36,8 @@ from flashforge.distributed import block, layout as lay
 from flashforge.distributed.plan import schedule
 from flashforge.ops.params import AttnParams
 
+from helpers import backend_device, backend_params  # noqa: E402
+
 LAYOUTS = ("zigzag", "contiguous")
 STRATEGIES = ("ring", "allgather")
 
@@ -133,6 +135,44 @@ def test_merge_of_key_halves_equals_attention_and_keeps_empty_rows_zero():
     lse2 = torch.full((1, 1, 4), float("-inf"))
     block.merge(o2, lse2, torch.zeros(1, 4, 1, 2), torch.full((1, 1, 4), float("-inf")))
     assert torch.equal(o2, torch.zeros_like(o2)) and torch.isneginf(lse2).all()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_kernel_matches_float64_on_views_and_touches_nothing_else(backend, dtype):
+    """`block.merge` on both backends (the Triton kernel on "triton"): odd row and head-dim counts,
+    the running tensors as row views of bigger ones (as the ring merges a call's rows), rows where
+    either part or both see no key (-inf), lse far apart and large (no exp overflow); rows outside the
+    view, and lse entries outside it, hold NaN and must stay NaN."""
+    gen = torch.Generator().manual_seed(7)
+    B, N, H, Dv, r0, r1 = 2, 45, 3, 40, 5, 38
+    o_big = torch.randn(B, N, H, Dv, generator=gen)
+    lse_big = torch.randn(B, H, N, generator=gen) * 30 + 1e4
+    o_big[:, :r0], o_big[:, r1:] = float("nan"), float("nan")
+    lse_big[:, :, :r0], lse_big[:, :, r1:] = float("nan"), float("nan")
+    n = r1 - r0
+    o = torch.randn(B, n, H, Dv, generator=gen).to(dtype)
+    lse = torch.randn(B, H, n, generator=gen) * 30 + 1e4
+    lse_big[:, 0, r0:r0 + 4] = float("-inf")  # the running part saw no key yet
+    o_big[:, r0:r0 + 4, 0] = 0.0
+    lse[:, 0, 2:6] = float("-inf")  # the new part sees none (rows 2, 3: neither does)
+    lse[:, 1, 9] = lse_big[:, 1, r0 + 9] + 200.0  # weights e^-200 apart: one side underflows to 0
+    lse_acc64, o_acc64 = lse_big[:, :, r0:r1].double(), o_big[:, r0:r1].double()
+    new64 = torch.logaddexp(lse_acc64, lse.double())
+    ref = new64.masked_fill(torch.isneginf(new64), 0.0)
+    want_o = (o_acc64 * (lse_acc64 - ref).exp().transpose(1, 2)[..., None]
+              + o.double() * (lse.double() - ref).exp().transpose(1, 2)[..., None])
+    dev = backend_device(backend)  # CPU tensors on "triton" without a GPU: the interpreter
+    o_big, lse_big, o, lse = (t.to(dev) for t in (o_big, lse_big, o, lse))
+    o_before, lse_before = o.clone(), lse.clone()
+    block.merge(o_big[:, r0:r1], lse_big[:, :, r0:r1], o, lse, backend)
+    o_big, lse_big, o, lse, o_before, lse_before = (t.cpu() for t in (o_big, lse_big, o, lse, o_before, lse_before))
+    torch.testing.assert_close(o_big[:, r0:r1].double(), want_o, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse_big[:, :, r0:r1].double(), new64, rtol=0, atol=2e-3)  # float32 ulp at 1e4
+    assert torch.isneginf(lse_big[:, 0, r0 + 2:r0 + 4]).all() and (o_big[:, r0 + 2:r0 + 4, 0] == 0).all()
+    assert o_big[:, :r0].isnan().all() and o_big[:, r1:].isnan().all()
+    assert lse_big[:, :, :r0].isnan().all() and lse_big[:, :, r1:].isnan().all()
+    assert torch.equal(o, o_before) and torch.equal(lse, lse_before)
 
 
 # ---------------------------------------------------------------- a gloo group of one, in this process

@@ -11,9 +11,6 @@ from ..ops.backends import backend_module
 from ..ops.params import AttnParams
 from .plan import Call
 
-_NEG_INF = float("-inf")
-
-
 def call_params(params: AttnParams, call: Call) -> AttnParams:
     """The call's rule: the window at the call's offset, or no mask at all where every entry is visible."""
     if call.masked:
@@ -41,15 +38,8 @@ def backward(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor
     return dq, dk, dv
 
 
-def merge(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor) -> None:
+def merge(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor, backend: str = "torch") -> None:
     """Fold a partial result into running ones, in place: ``o_acc [B, n, H, Dv]`` (float32) and
-    ``lse_acc [B, H, n]`` become the attention over the union of both key sets.
-
-    ``o_new = o_acc * exp(lse_acc - lse_new) + o * exp(lse - lse_new)``.  Rows that no key of
-    either part sees stay at o = 0, lse = -inf (their weights are exp(-inf) = 0, not NaN)."""
-    new = torch.logaddexp(lse_acc, lse)
-    ref = new.masked_fill(new == _NEG_INF, 0.0)
-    w_acc = (lse_acc - ref).exp_().transpose(1, 2).unsqueeze(-1)  # [B, n, H, 1]
-    w = (lse - ref).exp_().transpose(1, 2).unsqueeze(-1)
-    o_acc.mul_(w_acc).addcmul_(o, w)  # o in its own dtype: no float32 copy of it
-    lse_acc.copy_(new)
+    ``lse_acc [B, H, n]`` become the attention over the union of both key sets; rows that no key
+    of either part sees stay at o = 0, lse = -inf.  One kernel on "triton" (`ops.triton.merge`)."""
+    backend_module("merge", backend).merge_(o_acc, lse_acc, o, lse)

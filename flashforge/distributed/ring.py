@@ -57,7 +57,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, sched: Schedule, pa
         for call in sched.calls[rank][(rank - step) % W]:
             o_c, lse_c = block.forward(q, kv[0], kv[1], call, params, backend)
             rows = slice(call.q0, call.q1)
-            block.merge(o[:, rows], lse[:, :, rows], o_c, lse_c)
+            block.merge(o[:, rows], lse[:, :, rows], o_c, lse_c, backend)
         pending.wait()
         kv = new
     return o.to(q.dtype), lse

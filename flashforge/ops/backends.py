@@ -12,6 +12,8 @@ _MODULES = {
     ("rope", "triton"): "flashforge.ops.triton.rope",
     ("kvcache", "torch"): "flashforge.ops.kvcache_torch",
     ("kvcache", "triton"): "flashforge.ops.triton.kvcache",
+    ("merge", "torch"): "flashforge.ops.merge_torch",
+    ("merge", "triton"): "flashforge.ops.triton.merge",
 }
 
 
