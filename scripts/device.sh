@@ -14,7 +14,8 @@
 # Time: the parts share FF_BUDGET seconds (default 500: a 9-minute call with time to stage FA4 and to
 # print); each gets what is left less FF_RESERVE seconds (default 150) for every part after it, at most
 # its cap: FF_TEST_LIMIT (default 300), FF_BENCH_LIMIT (330), FF_COMPARE_LIMIT (360).  FF_TEST_WORKERS=N
-# spreads the tests over N pytest-xdist processes (default: one).
+# spreads the tests over N pytest-xdist processes (default: one); FF_PYTEST_ARGS are added to pytest's
+# arguments (e.g. a --deselect), with the default file list or without.
 # Prints the pytest summary, the benchmark tables and one status line per part last; exits non-zero if
 # a part fails or runs out of time.
 set -uo pipefail
@@ -64,6 +65,8 @@ if [ "$#" -eq 0 ]; then  # every file with tests that run on CUDA
         tests/test_dropout.py tests/test_properties.py tests/test_flash_attn_dropin.py tests/test_interfaces.py \
         tests/test_attention_torch.py::test_runs_on_cuda_tensors
 fi
+# shellcheck disable=SC2206  # word-split on purpose: several arguments in one variable
+[ -n "${FF_PYTEST_ARGS:-}" ] && set -- "$@" ${FF_PYTEST_ARGS}
 if [[ " $PARTS " == *" tests "* ]]; then
     lim=$(limit tests "${FF_TEST_LIMIT:-300}")
     workers=()
