@@ -175,13 +175,14 @@ def record(quick: bool):
     real_get = configs.get_config
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
 
-    def run(B=2, Sq=128, Sk=128, Hq=4, Hkv=2, D=64, dtype=torch.bfloat16, mask=None, bwd=True, **kw):
+    def run(B=2, Sq=128, Sk=128, Hq=4, Hkv=2, D=64, dtype=torch.bfloat16, mask=None, bwd=True, lo=True, **kw):
         q = torch.randn(B, Sq, Hq, D, dtype=dtype)
         k = torch.randn(B, Sk, Hkv, D, dtype=dtype)
         v = torch.randn(B, Sk, Hkv, D, dtype=dtype)
         p = AttnParams(scale=0.1, **kw)
-        # lse_lo: as a training step calls them (the forward writes it, the backward reads it)
-        lse_lo = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32)
+        # lse_lo: as a training step calls them (the forward writes it, the backward reads it);
+        # lo=False as context parallelism's block calls do (the merged lse has no low part)
+        lse_lo = torch.empty(q.shape[0], Hq, Sq, dtype=torch.float32) if lo else None
         o, lse = launchers.attention_forward(q, k, v, mask, p, lse_lo=lse_lo)
         if bwd:
             launchers.attention_backward(o, None, q, k, v, mask, o, lse, p, mask is not None and mask.is_floating_point(),
@@ -189,6 +190,8 @@ def record(quick: bool):
 
     run()
     run(window_right=0)
+    for D in (64, 128):  # without lse_lo (the backward kernels' HAS_LO=False copies)
+        run(D=D, window_right=0, lo=False)
     run(D=128, window_right=0, dropout_p=0.1, seed=3)
     run(dropout_p=0.1, seed_tensor=torch.tensor(7))  # unseeded: the seed is read on the device
     # the forward with K/V through tensor descriptors (TMA), opt-in per tile config

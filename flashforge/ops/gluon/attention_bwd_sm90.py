@@ -273,7 +273,10 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
             # below what the exponent can tell, and its subtraction per score costs ~5% of a step
             lo_here = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
         else:
-            lo_here = False
+            # a condition false at run time, not a constant: with the loop's copy alone under
+            # `T > 0`, triton 3.6's TritonGPU-to-LLVM conversion fails an assertion (the compile
+            # check's lo=False runs); the lse_lo copy is never entered, and LSE_LO is then lse
+            lo_here = T < 0
         if lo_here:
             dk, dv = _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked,
                                  mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO,
