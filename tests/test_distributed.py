@@ -36,7 +36,7 @@ from flashforge.distributed import block, layout as lay
 from flashforge.distributed.plan import schedule
 from flashforge.ops.params import AttnParams
 
-from helpers import backend_device, backend_params  # noqa: E402
+from helpers import backend_device, backend_params
 
 LAYOUTS = ("zigzag", "contiguous")
 STRATEGIES = ("ring", "allgather")

@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from ..ops.backends import backend_module

@@ -22,7 +22,8 @@ def merge_(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor) -> None:
     w = (lse - ref).exp_()
     total = w_acc + w
     new = total.log().add_(ref)  # log(0) = -inf where neither part sees a key
-    inv = total.reciprocal_().masked_fill_(total == float("inf"), 0.0)
+    inv = total.reciprocal_()  # (in place: total is not needed again)
+    inv.masked_fill_(inv == float("inf"), 0.0)  # 1/0 where neither part sees a key
     w_acc = w_acc.mul_(inv).transpose(1, 2).unsqueeze(-1)  # [B, n, H, 1]
     w = w.mul_(inv).transpose(1, 2).unsqueeze(-1)
     o_acc.mul_(w_acc).addcmul_(o, w)  # o in its own dtype: no float32 copy of it

@@ -19,8 +19,8 @@ _BLOCK_M = 32  # rows per program: with Dv <= 256 a [32, 256] float32 tile is 8k
 
 @triton.jit
 def _merge_kernel(o_acc, lse_acc, o, lse, n, H, Dv,
-                  s_ab, s_an, s_ah, s_lab, s_lah, s_lan,
-                  s_ob, s_on, s_oh, s_lb, s_lh, s_ln,
+                  s_ab, s_an, s_ah, s_ad, s_lab, s_lah, s_lan,
+                  s_ob, s_on, s_oh, s_od, s_lb, s_lh, s_ln,
                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -41,9 +41,9 @@ def _merge_kernel(o_acc, lse_acc, o, lse, n, H, Dv,
     inv = tl.where(total > 0, 1.0 / total, 0.0)
     new = tl.where(total > 0, ref + tl.log(total), float("-inf"))
     tile = row_ok[:, None] & (offs_d[None, :] < Dv)
-    p_oa = o_acc + b * s_ab + h * s_ah + offs_m[:, None] * s_an + offs_d[None, :]
+    p_oa = o_acc + b * s_ab + h * s_ah + offs_m[:, None] * s_an + offs_d[None, :] * s_ad
     acc = tl.load(p_oa, mask=tile, other=0.0)
-    part = tl.load(o + b * s_ob + h * s_oh + offs_m[:, None] * s_on + offs_d[None, :], mask=tile, other=0.0)
+    part = tl.load(o + b * s_ob + h * s_oh + offs_m[:, None] * s_on + offs_d[None, :] * s_od, mask=tile, other=0.0)
     acc = acc * (wa * inv)[:, None] + part.to(tl.float32) * (wb * inv)[:, None]
     tl.store(p_oa, acc, mask=tile)
     tl.store(p_la, new, mask=row_ok)
@@ -51,24 +51,13 @@ def _merge_kernel(o_acc, lse_acc, o, lse, n, H, Dv,
 
 def merge_(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor) -> None:
     """In place, as `flashforge.ops.merge_torch.merge_`: ``o_acc [B, n, H, Dv]`` float32 and
-    ``lse_acc [B, H, n]`` float32 take in ``o`` (any float dtype, same shape) and ``lse``.  The head
-    dim must be unit-stride in ``o_acc`` and ``o`` (it is in every kernel output and its views)."""
+    ``lse_acc [B, H, n]`` float32 take in ``o`` (any float dtype, same shape) and ``lse``; any strides."""
     B, n, H, Dv = o_acc.shape
     if o.shape != o_acc.shape or lse.shape != lse_acc.shape or lse_acc.shape != (B, H, n):
         raise ValueError(f"merge_: shapes o_acc {tuple(o_acc.shape)}, o {tuple(o.shape)}, lse_acc "
                          f"{tuple(lse_acc.shape)}, lse {tuple(lse.shape)} do not match [B, n, H, Dv] / [B, H, n]")
-    if o_acc.stride(-1) != 1 or o.stride(-1) != 1:
-        o_src = o.contiguous()
-        if o_acc.stride(-1) != 1:  # never from our callers; correct, if slower
-            from ..merge_torch import merge_ as torch_merge
-            return torch_merge(o_acc, lse_acc, o_src, lse)
-        o = o_src
     if B * n * H == 0:
         return
     grid = (triton.cdiv(n, _BLOCK_M), B * H)
-    _merge_kernel[grid](o_acc, lse_acc, o, lse, n, H, Dv,
-                        o_acc.stride(0), o_acc.stride(1), o_acc.stride(2),
-                        lse_acc.stride(0), lse_acc.stride(1), lse_acc.stride(2),
-                        o.stride(0), o.stride(1), o.stride(2),
-                        lse.stride(0), lse.stride(1), lse.stride(2),
-                        BLOCK_M=_BLOCK_M, BLOCK_D=triton.next_power_of_2(Dv), num_warps=4)
+    _merge_kernel[grid](o_acc, lse_acc, o, lse, n, H, Dv, *o_acc.stride(), *lse_acc.stride(), *o.stride(),
+                        *lse.stride(), BLOCK_M=_BLOCK_M, BLOCK_D=triton.next_power_of_2(Dv), num_warps=4)
