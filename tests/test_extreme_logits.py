@@ -45,9 +45,13 @@ def consistent_dots(monkeypatch):
 
 
 def _check(dtype, magnitude, *, B=1, S=16, Hq=2, Hkv=2, D=16, causal=False, ties=True, seed=0):
+    """magnitude: a number, or one per (batch, KV head) as nested lists [B][Hkv] (each GQA group
+    then gets its own size, and is checked against the reference on its own)."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, S, Hq, D, generator=gen) * magnitude
-    k = torch.randn(B, S, Hkv, D, generator=gen) * magnitude
+    mags = torch.as_tensor(magnitude, dtype=torch.float32).expand(B, Hkv)
+    group = Hq // Hkv
+    q = torch.randn(B, S, Hq, D, generator=gen) * mags.repeat_interleave(group, dim=1)[:, None, :, None]
+    k = torch.randn(B, S, Hkv, D, generator=gen) * mags[:, None, :, None]
     if ties:
         k[:, 1::2] = k[:, 0::2]
     v = torch.randn(B, S, Hkv, D, generator=gen)
@@ -61,23 +65,32 @@ def _check(dtype, magnitude, *, B=1, S=16, Hq=2, Hkv=2, D=16, causal=False, ties
     col = leaves[2].grad.double().cpu().sum(dim=1)  # [B, Hkv, D]: each of Hq // Hkv heads sums to S
     torch.testing.assert_close(col, torch.full_like(col, S * Hq // Hkv), rtol=SUM_TOL[dtype], atol=0,
                                msg="rows of P do not sum to 1")
-    # lse carries the float32 dot product's own rounding: D terms of size magnitude^2 (H200: up
-    # to 6 at 1e3, D = 40, in a causal row of two keys), so an absolute bound in magnitude^2
-    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=1e-6, atol=2e-5 * magnitude ** 2 * D ** 0.5)
-    # dq and dk are sums of terms of size ~magnitude that cancel at ties: errors are measured
-    # against that size (an rms of `magnitude` per element), o and dv against 1
-    for name, ours, ref, size in (("o", o, ref_o, 1.0), ("dq", leaves[0].grad, ref_leaves[0].grad, magnitude),
-                                  ("dk", leaves[1].grad, ref_leaves[1].grad, magnitude),
-                                  ("dv", leaves[2].grad, ref_leaves[2].grad, 1.0)):
-        ours = ours.double().cpu()
-        if dtype == torch.float16:
-            # at 1e4 the exact dk can pass float16's largest value (65504; H200: 1.1e5 at D = 128), and
-            # inf is then its correct rounding: both sides are compared clipped to the float16 range
-            big = torch.finfo(torch.float16).max
-            assert torch.isfinite(ours[ref.abs() < big / 2]).all(), f"{name}: non-finite where the exact value fits"
-            ours, ref = ours.clamp(-big, big), ref.clamp(-big, big)
-        err = (ours - ref).norm() / max(ref.norm(), size * ref.numel() ** 0.5)
-        assert err < TOL[dtype], f"{name}: relative error {err:.2e} >= {TOL[dtype]}"
+    if isinstance(magnitude, (int, float)):
+        parts = [(slice(None), slice(None), slice(None), float(magnitude))]
+    else:
+        parts = [(b, slice(h * group, (h + 1) * group), slice(h, h + 1), float(mags[b, h]))
+                 for b in range(B) for h in range(Hkv)]
+    grads = [t.grad.double().cpu() for t in leaves]
+    refs = [t.grad for t in ref_leaves]
+    for b, hq, hk, mag in parts:
+        # lse carries the float32 dot product's own rounding: D terms of size magnitude^2 (H200: up
+        # to 6 at 1e3, D = 40, in a causal row of two keys), so an absolute bound in magnitude^2
+        torch.testing.assert_close(lse.double().cpu()[b, hq], ref_lse[b, hq], rtol=1e-6,
+                                   atol=2e-5 * mag ** 2 * D ** 0.5)
+        # dq and dk are sums of terms of size ~magnitude that cancel at ties: errors are measured
+        # against that size (an rms of `magnitude` per element), o and dv against 1
+        for name, ours, ref, size in (("o", o.double().cpu()[b, :, hq], ref_o[b, :, hq], 1.0),
+                                      ("dq", grads[0][b, :, hq], refs[0][b, :, hq], mag),
+                                      ("dk", grads[1][b, :, hk], refs[1][b, :, hk], mag),
+                                      ("dv", grads[2][b, :, hk], refs[2][b, :, hk], 1.0)):
+            if dtype == torch.float16:
+                # at 1e4 the exact dk can pass float16's largest value (65504; H200: 1.1e5 at D = 128), and
+                # inf is then its correct rounding: both sides are compared clipped to the float16 range
+                big = torch.finfo(torch.float16).max
+                assert torch.isfinite(ours[ref.abs() < big / 2]).all(), f"{name}: non-finite where the exact value fits"
+                ours, ref = ours.clamp(-big, big), ref.clamp(-big, big)
+            err = (ours - ref).norm() / max(ref.norm(), size * ref.numel() ** 0.5)
+            assert err < TOL[dtype], f"{name} (batch {b}, heads {hq}): relative error {err:.2e} >= {TOL[dtype]}"
 
 
 @needs_triton
@@ -102,3 +115,15 @@ def test_extreme_logits_gqa_without_ties(consistent_dots):
 def test_extreme_logits_gpu(dtype, magnitude, D, S, causal):
     """D = 64 / 128 with 16-bit inputs and >= 64 rows take the sm_90 Gluon kernels on an H100/H200."""
     _check(dtype, magnitude, B=2, S=S, Hq=4, Hkv=2, D=D, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_extreme_logits_gpu_mixed_groups(dtype, D, causal):
+    """Far and ordinary GQA groups in one call: the sm_90 dK/dV kernel's first launch computes the
+    ordinary groups and marks the far ones, its second launch computes those (with lse_lo).  A
+    block computed by neither, or by the wrong launch, fails the per-group checks."""
+    _check(dtype, [[3e3 if dtype == torch.bfloat16 else 1e4, 1.0], [1.0, 3e2]], B=2, S=200, Hq=4, Hkv=2, D=D,
+           causal=causal)

@@ -35,7 +35,7 @@ def flops(D, S, causal, mode):
     return f * (3.5 if mode == "fwdbwd" else 1.0)
 
 
-def child(dtype_name: str, grid_only: bool) -> None:
+def child(dtype_name: str, grid_only: bool, only: list[str]) -> None:
     import torch
     import triton.testing
     import flashforge
@@ -44,6 +44,8 @@ def child(dtype_name: str, grid_only: bool) -> None:
     out = {}
     for D, S, causal in ROWS:
         if grid_only and D == 256:
+            continue
+        if only and not any(f"D{D} S{S}{' causal' if causal else ''}" == o for o in only):
             continue
         B, H = shape(D, S)
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -73,15 +75,18 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--grid-only", action="store_true", help="leave out the D = 256 rows")
     ap.add_argument("--warm", action="store_true", help="first run every tree at once, untimed (compiles)")
+    ap.add_argument("--only", action="append", default=[],
+                    help='time only this row, e.g. "D128 S4096 causal" (repeatable)')
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args.dtype, args.grid_only)
+        return child(args.dtype, args.grid_only, args.only)
     trees = [t.split("=", 1) for t in args.tree]
     results = {name: [] for name, _ in trees}
 
     def command(path):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tree", "x=x", "--dtype", args.dtype]
+        cmd += [a for o in args.only for a in ("--only", o)]
         return cmd + (["--grid-only"] if args.grid_only else []), dict(os.environ, PYTHONPATH=os.path.abspath(path))
 
     if args.warm:  # compile every tree's kernels at once (Triton's cache keeps them); these timings are dropped

@@ -207,13 +207,16 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, tot_q, tot_k, offset, br = _sequences(q, k, params, order, lse)
     grid = (cdiv(Sk, cfg.block_n), B * Hkv)
-    launch(dkdv, grid, *(inputs or input_descriptors(q, k, v, do, params, cfg)),
-           desc(dk, cfg.block_n), desc(dv, cfg.block_n),
-           lse, lse if lse_lo is None else lse_lo, delta, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
-           Hq // Hkv, offset, br, _qk_scale(params.scale), params.scale,
-           CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
-           STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen, HAS_LO=lse_lo is not None,
-           num_warps=cfg.num_warps)
+    # with lse_lo, two launches (the kernel's docstring): the second redoes the blocks of the
+    # GQA groups the first marks in `far`, and its other programs leave at once
+    far = lse if lse_lo is None else torch.empty(B * Hkv, device=lse.device, dtype=torch.int32)
+    args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dk, cfg.block_n), desc(dv, cfg.block_n),
+            lse, lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q,
+            tot_k, Hq // Hkv, offset, br, _qk_scale(params.scale), params.scale)
+    for second in ((False,) if lse_lo is None else (False, True)):
+        launch(dkdv, grid, *args, CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
+               STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen, HAS_LO=lse_lo is not None,
+               LO_PASS=second, num_warps=cfg.num_warps)
     return dk, dv
 
 

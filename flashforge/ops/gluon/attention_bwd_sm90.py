@@ -82,7 +82,7 @@ LO_FROM = gl.constexpr(256.0)
 @gluon.jit
 def _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps: gl.constexpr):
     """Whether some row of this sequence in the GQA group's heads has |lse * log2(e)| >= LO_FROM,
-    so that a dK/dV program must subtract lse_lo (a second copy of its loop does): one pass over
+    so that the group's dK/dV blocks must subtract lse_lo (the kernel's second launch does): one pass over
     the group's lse, a few loads per thread for each program's hundreds of score tiles."""
     CHUNK: gl.constexpr = 4 * 32 * num_warps
     layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
@@ -201,12 +201,38 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
 
 
 @gluon.jit
-def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, stride_lb,
+def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                               stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset,
                               bottom_right, qk_scale, scale,
                               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                               STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
-                              HAS_LO: gl.constexpr, num_warps: gl.constexpr):
+                              HAS_LO: gl.constexpr, LO_PASS: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV of one key block.  With lse_lo (HAS_LO) a call is two launches of this kernel:
+    the first (LO_PASS=False) serves every program whose GQA group has no row far from 0
+    (`_lo_needed`) and records the answer in FAR[b * Hkv + hk]; the second (LO_PASS=True)
+    redoes the programs FAR marks, subtracting lse_lo, and the others leave at once.  One copy
+    of the loop per kernel: with both copies in one kernel (a branch per program), ptxas spilled
+    the loop's registers (176-200 B of stack at D = 128) and the causal kernel ran ~12% slower
+    on every call, far rows or not."""
+    if LO_PASS:
+        if gl.load(FAR + gl.program_id(1)) != 0:
+            _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
+                        stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
+                        qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, True, False, num_warps)
+    else:
+        _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
+                    stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
+                    qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, num_warps)
+
+
+@gluon.jit
+def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh,
+                CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, qk_scale, scale,
+                CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr,
+                SCAN: gl.constexpr, num_warps: gl.constexpr):
+    """The kernel's program: USE_LO subtracts lse_lo in the loop; SCAN leaves the loop to the
+    second launch where the group has a far row, and writes FAR."""
     dtype: gl.constexpr = q_desc.dtype
     FUSE: gl.constexpr = fused_score(dtype)  # P's exponent fused from the product (rounding.py)
     pid = gl.program_id(0)  # causal: the first key blocks see the most queries, so run first
@@ -255,6 +281,12 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     copy_in(k_desc, b, n0, hk, k_start, Sk, kv_bar, k_smem, True, VARLEN)
     copy_in(v_desc, b, n0, hk, k_start, Sk, kv_bar, v_smem, True, VARLEN)
+    if SCAN:  # while K and V arrive; before any Q/dO copy is issued
+        far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
+        if pid == 0:
+            gl.store(FAR + bh, far.to(gl.int32))
+        if far:  # the second launch computes this block; its dK, dV here are zeros
+            T = 0
     for i in gl.static_range(STAGES):
         _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, i, T, n_mt_div, mt_lo, b, hk, group, q_start, Sq, BLOCK_M,
                   STAGES, VARLEN)
@@ -268,23 +300,9 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     v_t = v_smem.reshape([BLOCK_N, D])
 
     if T > 0:
-        if HAS_LO:
-            # lse_lo only where some row of the group is far from 0 (`_lo_needed`): elsewhere it is
-            # below what the exponent can tell, and its subtraction per score costs ~5% of a step
-            lo_here = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
-        else:
-            # a condition false at run time, not a constant: with the loop's copy alone under
-            # `T > 0`, triton 3.6's TritonGPU-to-LLVM conversion fails an assertion (the compile
-            # check's lo=False runs); the lse_lo copy is never entered, and LSE_LO is then lse
-            lo_here = T < 0
-        if lo_here:
-            dk, dv = _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked,
-                                 mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO,
-                                 DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES, PIPE, VARLEN, True, FUSE)
-        else:
-            dk, dv = _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked,
-                                 mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO,
-                                 DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES, PIPE, VARLEN, False, FUSE)
+        dk, dv = _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked,
+                             mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO,
+                             DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES, PIPE, VARLEN, USE_LO, FUSE)
 
     mbarrier.invalidate(kv_bar)
     invalidate_barriers(bars, STAGES)
