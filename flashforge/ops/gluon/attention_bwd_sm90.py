@@ -281,15 +281,18 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     copy_in(k_desc, b, n0, hk, k_start, Sk, kv_bar, k_smem, True, VARLEN)
     copy_in(v_desc, b, n0, hk, k_start, Sk, kv_bar, v_smem, True, VARLEN)
-    if SCAN:  # while K and V arrive; before any Q/dO copy is issued
+    for i in gl.static_range(STAGES):
+        _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, i, T, n_mt_div, mt_lo, b, hk, group, q_start, Sq, BLOCK_M,
+                  STAGES, VARLEN)
+    if SCAN:  # while the first copies arrive (scanned before them, it cost D = 64 ~3% a step)
         far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
         if pid == 0:
             gl.store(FAR + bh, far.to(gl.int32))
         if far:  # the second launch computes this block; its dK, dV here are zeros
+            for i in gl.static_range(STAGES):
+                if i < T:  # no copy may still be landing in shared memory when the program ends
+                    wait(bars, i, STAGES)
             T = 0
-    for i in gl.static_range(STAGES):
-        _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, i, T, n_mt_div, mt_lo, b, hk, group, q_start, Sq, BLOCK_M,
-                  STAGES, VARLEN)
 
     o_n = n0 + gl.arange(0, BLOCK_N, layout=row_s)
     dk = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
