@@ -89,6 +89,21 @@ def _time_ms(fn, reps: int, device, group=None) -> float:
     return t
 
 
+def _time_pair_ms(fa, fb, reps: int, device) -> tuple[float, float]:
+    """Median milliseconds of ``fa`` and of ``fb``, timed alternately (a, b, a, b, ...) after a warm-up
+    of each, so that drift of the clocks falls on both alike."""
+    fa(), fb()
+    times = ([], [])
+    for _ in range(reps):
+        for fn, out in ((fa, times[0]), (fb, times[1])):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            out.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def _causal_pairs(S: int) -> int:
     return S * (S + 1) // 2
 
@@ -283,12 +298,12 @@ def step(device, dtype, tokens: int, D: int, reps: int) -> list[dict]:
                 acc[1][:, rows_k] += dk
                 acc[2][:, rows_k] += dv
 
-            times = dict(
-                dense_fwd=_time_ms(lambda: mod.attention_forward(qs, ks, vs, None, p), reps, device),
-                step_fwd=_time_ms(step_fwd, reps, device),
-                dense_bwd=_time_ms(lambda: mod.attention_backward(dos, None, qs, ks, vs, None, o_s, lse_s, p, False),
-                                   reps, device),
-                step_bwd=_time_ms(step_bwd, reps, device))
+            times = {}
+            times["dense_fwd"], times["step_fwd"] = _time_pair_ms(
+                lambda: mod.attention_forward(qs, ks, vs, None, p), step_fwd, reps, device)
+            times["dense_bwd"], times["step_bwd"] = _time_pair_ms(
+                lambda: mod.attention_backward(dos, None, qs, ks, vs, None, o_s, lse_s, p, False), step_bwd, reps,
+                device)
             pairs = (call.q1 - call.q0) * (call.k1 - call.k0) if not call.masked else _causal_pairs(T)
             rows.append(dict(heads=f"{Hq}/{Hkv}", layout=layout, step=what, q_rows=call.q1 - call.q0,
                              k_rows=call.k1 - call.k0, masked=call.masked,
