@@ -7,7 +7,8 @@ Each tree is a directory holding a `flashforge` package (e.g. `git archive <comm
 times every tree in a child process, in ABBA order so that drift of the machine (clocks, heat) falls
 on both, and the median over rounds is kept.  Only the public `flashforge.attention` is used, so any
 two versions compare.  Rows: PERF.md's standard grid (bf16, 16k tokens, H*D = 2048) and D = 256,
-forward and forward+backward, TFLOP/s by PERF.md's convention; ratio = last tree / first tree.
+forward and forward+backward, TFLOP/s by PERF.md's convention; ratio = last tree / first tree, and
+"slower" / "faster" where every round of the last tree fell below / above every round of the first.
 """
 from __future__ import annotations
 
@@ -109,12 +110,17 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"median": med, "runs": results}, f, indent=1)
-    print(f"\n{'row':<28}" + "".join(f"{n:>9}" for n, _ in trees) + f"  {last}/{first}")
+    print(f"\n{'row':<28}" + "".join(f"{n:>9}" for n, _ in trees) + f"  {last}/{first}  rounds")
     ratios = {"fwd": [], "fwdbwd": []}
     for row in med[first]:
         ratio = med[last][row] / med[first][row]
         ratios[row.rsplit(" ", 1)[1]].append(ratio)
-        print(f"{row:<28}" + "".join(f"{med[n][row]:9.1f}" for n, _ in trees) + f"  {ratio:6.3f}")
+        # "slower"/"faster": every round of one tree beat every round of the other, so the gap is
+        # not one round's noise; blank: the rounds overlap
+        lo_f, hi_f = min(r[row] for r in results[first]), max(r[row] for r in results[first])
+        lo_l, hi_l = min(r[row] for r in results[last]), max(r[row] for r in results[last])
+        apart = "slower" if hi_l < lo_f else "faster" if lo_l > hi_f else ""
+        print(f"{row:<28}" + "".join(f"{med[n][row]:9.1f}" for n, _ in trees) + f"  {ratio:6.3f}  {apart}")
     for mode, rs in ratios.items():
         print(f"geomean {mode}: {statistics.geometric_mean(rs):.3f}  (min {min(rs):.3f})")
 
