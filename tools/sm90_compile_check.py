@@ -190,7 +190,7 @@ def record(quick: bool):
 
     run()
     run(window_right=0)
-    for D in (64, 128):  # without lse_lo (the backward kernels' HAS_LO=False copies)
+    for D in (64, 128):  # without lse_lo (the backward kernels' HAS_LO=False variants)
         run(D=D, window_right=0, lo=False)
     run(D=128, window_right=0, dropout_p=0.1, seed=3)
     run(dropout_p=0.1, seed_tensor=torch.tensor(7))  # unseeded: the seed is read on the device

@@ -44,6 +44,7 @@ from flashforge.ops.gluon.attention import _descriptor, _qk_scale  # noqa: E402
 from flashforge.ops.gluon.attention_fwd_sm90 import _softmax_step  # noqa: E402
 from flashforge.ops.gluon.pipeline import copy_in, copy_out, key_tiles, query_block, slot  # noqa: E402
 from flashforge.ops.gluon.rounding import LN2, fused_score  # noqa: E402
+from flashforge.ops.launch import cdiv  # noqa: E402
 
 
 @gluon.jit
@@ -181,16 +182,12 @@ def ws_forward(q, k, v, causal=False, block_m=128, block_n=128, stages=2, num_wa
     o = torch.full_like(q, float("nan")) if poison else torch.empty_like(q)
     lse = torch.full((B, Hq, Sq), float("nan"), dtype=torch.float32, device=q.device) if poison else \
         torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
-    grid = (triton_cdiv(Sq, block_m), B * Hq)
+    grid = (cdiv(Sq, block_m), B * Hq)
     kw = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages, LOADER_REGS=loader_regs,
               num_warps=num_warps)
     kernel[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m),
                  lse, lse.stride(0), lse.stride(1), Hq, Sq, Sk, Hq // Hkv, 0, _qk_scale(D ** -0.5), **kw)
     return o, lse
-
-
-def triton_cdiv(a, b):
-    return (a + b - 1) // b
 
 
 # name: ws_forward keyword arguments.  The registers: with the loader's warpgroup at 24, the
