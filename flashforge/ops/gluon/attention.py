@@ -197,10 +197,20 @@ def input_descriptors(q, k, v, do, params: AttnParams, cfg):
     return desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(do, cfg.block_m)
 
 
-def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None, lse_lo=None):
+def far_flags(q, k, lse_lo):
+    """With lse_lo: the zeroed int32 [B * Hkv] the dQ kernel marks the GQA groups with a row far
+    from 0 in, for the dK/dV kernel launched after it (`attention_bwd_dq`'s `far`); else None."""
+    if lse_lo is None:
+        return None
+    return torch.zeros(lse_lo.shape[0] * k.shape[2], device=q.device, dtype=torch.int32)
+
+
+def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None, lse_lo=None,
+                       far=None):
     """dK, dV [B, Sk, Hkv, D] for a call in the Gluon backward's scope (`bwd_call_in_scope`,
     `bwd_tiles_fit`); delta from the preprocess kernel or the dQ kernel; `inputs`: `input_descriptors`
-    with this cfg, or None to build them."""
+    with this cfg, or None to build them; `far`: `far_flags` as the dQ kernel filled them, or None
+    for this kernel to find them."""
     dkdv, _ = _bwd_kernels()
     Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -209,22 +219,25 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     grid = (cdiv(Sk, cfg.block_n), B * Hkv)
     # with lse_lo, two launches (the kernel's docstring): the second redoes the blocks of the
     # GQA groups the first marks in `far`, and its other programs leave at once
-    far = lse if lse_lo is None else torch.empty(B * Hkv, device=lse.device, dtype=torch.int32)
+    ready = far is not None
+    if not ready:
+        far = lse if lse_lo is None else torch.empty(B * Hkv, device=lse.device, dtype=torch.int32)
     args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dk, cfg.block_n), desc(dv, cfg.block_n),
             lse, lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q,
             tot_k, Hq // Hkv, offset, br, _qk_scale(params.scale), params.scale)
     for second in ((False,) if lse_lo is None else (False, True)):
         launch(dkdv, grid, *args, CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
                STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen, HAS_LO=lse_lo is not None,
-               LO_PASS=second, num_warps=cfg.num_warps)
+               LO_PASS=second, FAR_READY=ready, num_warps=cfg.num_warps)
     return dk, dv
 
 
 def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None, o=None,
-                     dlse=None, lse_lo=None):
+                     dlse=None, lse_lo=None, far=None):
     """dQ [B, Sq, Hq, D] for a call in the Gluon backward's scope (`inputs` as for dK/dV).  With
     `o` (unit last stride), the kernel also computes delta = rowsum(o * dO) - dlse into `delta`
-    for the dK/dV kernel launched after it (no preprocess kernel); else it reads `delta`."""
+    for the dK/dV kernel launched after it (no preprocess kernel); else it reads `delta`.  With
+    `far` (`far_flags`), it also marks the GQA groups the dK/dV kernel must redo with lse_lo."""
     _, dq_kernel = _bwd_kernels()
     Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -233,11 +246,12 @@ def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=Non
     here = o is not None
     o_strides = ((0 if params.is_varlen else o.stride(0)), o.stride(1), o.stride(2)) if here else (0, 0, 0)
     launch(dq_kernel, grid, *(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dq, cfg.block_m),
-           lse, lse if lse_lo is None else lse_lo, delta, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
+           lse, lse if lse_lo is None else lse_lo, delta, lse if far is None else far, s_lb, s_lh, cu_q, cu_k, order,
+           Hq, Sq, Sk, tot_q, tot_k,
            Hq // Hkv, offset, br, _qk_scale(params.scale), params.scale, o if here else lse,
            dlse if dlse is not None else lse, *o_strides,
            CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
            STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
            VARLEN=params.is_varlen, DELTA_HERE=here, HAS_DLSE=here and dlse is not None, HAS_LO=lse_lo is not None,
-           num_warps=cfg.num_warps)
+           FAR_OUT=far is not None, num_warps=cfg.num_warps)
     return dq

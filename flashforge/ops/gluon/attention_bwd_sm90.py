@@ -206,7 +206,8 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                               bottom_right, qk_scale, scale,
                               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                               STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
-                              HAS_LO: gl.constexpr, LO_PASS: gl.constexpr, num_warps: gl.constexpr):
+                              HAS_LO: gl.constexpr, LO_PASS: gl.constexpr, FAR_READY: gl.constexpr,
+                              num_warps: gl.constexpr):
     """dK, dV of one key block.  With lse_lo (HAS_LO) a call is two launches of this kernel:
     the first (LO_PASS=False) serves every program whose GQA group has no row far from 0
     (`_lo_needed`) and records the answer in FAR[b * Hkv + hk]; the second (LO_PASS=True)
@@ -218,11 +219,13 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
         if gl.load(FAR + gl.program_id(1)) != 0:
             _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                         stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
-                        qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, True, False, num_warps)
+                        qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, True, False, False,
+                        num_warps)
     else:
         _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                     stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
-                    qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, num_warps)
+                    qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY,
+                    num_warps)
 
 
 @gluon.jit
@@ -230,9 +233,10 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
                 CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, qk_scale, scale,
                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                 STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr,
-                SCAN: gl.constexpr, num_warps: gl.constexpr):
+                SCAN: gl.constexpr, FAR_READY: gl.constexpr, num_warps: gl.constexpr):
     """The kernel's program: USE_LO subtracts lse_lo in the loop; SCAN leaves the loop to the
-    second launch where the group has a far row, and writes FAR."""
+    second launch where the group has a far row, and writes FAR (FAR_READY: reads it, as the dQ
+    kernel wrote it)."""
     dtype: gl.constexpr = q_desc.dtype
     FUSE: gl.constexpr = fused_score(dtype)  # P's exponent fused from the product (rounding.py)
     pid = gl.program_id(0)  # causal: the first key blocks see the most queries, so run first
@@ -285,9 +289,12 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
         _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, i, T, n_mt_div, mt_lo, b, hk, group, q_start, Sq, BLOCK_M,
                   STAGES, VARLEN)
     if SCAN:  # while the first copies arrive (scanned before them, it cost D = 64 ~3% a step)
-        far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
-        if pid == 0:
-            gl.store(FAR + bh, far.to(gl.int32))
+        if FAR_READY:  # the dQ kernel, run first, found the answer (its FAR_OUT)
+            far = gl.load(FAR + bh) != 0
+        else:
+            far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
+            if pid == 0:
+                gl.store(FAR + bh, far.to(gl.int32))
         if far:  # the second launch computes this block; its dK, dV here are zeros
             for i in gl.static_range(STAGES):
                 if i < T:  # no copy may still be landing in shared memory when the program ends
@@ -385,15 +392,20 @@ def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_z
 
 
 @gluon.jit
-def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_LO, DELTA, stride_lb, stride_lh, CU_Q,
-                            CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, qk_scale, scale,
-                            O, DLSE, stride_ob, stride_os, stride_oh, CAUSAL: gl.constexpr,
+def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh,
+                            CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, qk_scale,
+                            scale, O, DLSE, stride_ob, stride_os, stride_oh, CAUSAL: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                             V_STAGES: gl.constexpr, VARLEN: gl.constexpr, DELTA_HERE: gl.constexpr,
-                            HAS_DLSE: gl.constexpr, HAS_LO: gl.constexpr, num_warps: gl.constexpr):
+                            HAS_DLSE: gl.constexpr, HAS_LO: gl.constexpr, FAR_OUT: gl.constexpr,
+                            num_warps: gl.constexpr):
+    """dQ of one query block.  FAR_OUT (with lse_lo, when the dK/dV kernel runs next): a program
+    with a row far from 0 sets FAR[b * Hkv + hk] (zeroed by the caller), the answer the dK/dV
+    kernel's first launch would otherwise scan the group's lse for (`_lo_needed`)."""
     dtype: gl.constexpr = q_desc.dtype
     FUSE: gl.constexpr = fused_score(dtype)  # P's exponent fused from the product (rounding.py)
     b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
+    far_at = FAR + b * (Hq // group) + hk  # the dK/dV kernel's program_id(1), before `sequence` maps b
     b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
                                                    bottom_right, VARLEN)
 
@@ -454,6 +466,9 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
     if n_tiles > 0:
         if HAS_LO:  # as in the dK/dV kernel (`_lo_needed`), over this program's rows
             lo_here = gl.max(gl.where(o_m < Sq, gl.abs(lse2), 0.0), axis=0) >= LO_FROM
+            if FAR_OUT:
+                if lo_here:
+                    gl.atomic_or(far_at, 1)
         else:
             lo_here = False
         if lo_here:
