@@ -10,7 +10,7 @@ routes to the kernel exactly the calls it computes as SPEC section 2 defines the
 * CPU tensors; float32, bfloat16 or float16, computed in float32: low-precision inputs are
   upcast, O(B·S·H·D), rather than handed to the kernel's reduced-precision path, which runs
   a decoding step ~4x slower here and float16 matmuls ~2x slower.  Its bfloat16 backward is
-  faster on torch 2.13 (1.25-1.67x at 1k-4k keys on 1 and 2 threads) but gives dK and dV with
+  faster on torch 2.13 (1.24-1.67x at 1k-4k keys on 1 and 2 threads) but gives dK and dV with
   2-4x the error against float64 (up to 1.1e-2 of their largest entry, against <= 3.3e-3
   upcast: `benchmarks/profile/cpu_bf16_backward.py`), so gradients stay upcast, as our GPU
   kernels accumulate them in float32.  The exception, short bfloat16 forward calls
