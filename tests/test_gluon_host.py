@@ -84,3 +84,25 @@ def test_dense_bottom_right_is_folded_into_the_offset():
     args = gluon_attention._sequences(q, k, _params(window_right=0, offset=5, offset_bottom_right=True), None, lse)
     B, _, s_lb, s_lh, *_, Sq, Sk, offset, br = args
     assert (B, s_lb, s_lh, Sq, Sk, offset, br) == (2, 400, 100, 100, 300, 205, 0)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_far_flags_cover_every_dkdv_program_row(packed):
+    """The dQ kernel marks, and the dK/dV kernel reads, FAR[b * Hkv + hk] for every (sequence, KV
+    head) of its grid.  A packed batch's lse is [1, Hq, total], so sizing the flags from lse's
+    batch dim (as 9d41409 first did) gave one sequence's worth: the others' flags lay outside."""
+    Hq, Hkv, D = 4, 2, 64
+    if packed:
+        cu = torch.tensor([0, 5, 12, 12, 30], dtype=torch.int32)
+        params = _params(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=18, max_seqlen_k=18)
+        q, k = torch.empty(1, 30, Hq, D), torch.empty(1, 30, Hkv, D)
+        lse_lo = torch.empty(1, Hq, 30)
+        B = 4
+    else:
+        params = _params()
+        q, k = torch.empty(3, 9, Hq, D), torch.empty(3, 9, Hkv, D)
+        lse_lo = torch.empty(3, Hq, 9)
+        B = 3
+    far = gluon_attention.far_flags(q, k, params, lse_lo)
+    assert far.dtype == torch.int32 and far.shape == (B * Hkv,) and not far.any()
+    assert gluon_attention.far_flags(q, k, params, None) is None

@@ -77,6 +77,11 @@ def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> b
     return _kernel() is not None and all(tma_ready(t) for t in (q, k, v))
 
 
+def _batch(q, params: AttnParams) -> int:
+    """The kernels' B: the sequences of a packed batch (its lse is [1, Hq, total]), else q's batch."""
+    return params.cu_seqlens_q.shape[0] - 1 if params.is_varlen else q.shape[0]
+
+
 def _sequences(q, k, params: AttnParams, order, lse):
     """The kernels' batch arguments: (B, descriptor builder, lse strides (batch, head), CU_Q, CU_K,
     ORDER, Sq, Sk, total_q, total_k, offset, bottom_right).  Dense: Sq, Sk are the lengths and a
@@ -85,12 +90,12 @@ def _sequences(q, k, params: AttnParams, order, lse):
     packed tensors (each sequence's bounds are clamped to them), the sequences in `order`, and
     ragged descriptors."""
     if params.is_varlen:
-        return (params.cu_seqlens_q.shape[0] - 1, _ragged_descriptor, 0, lse.stride(1), params.cu_seqlens_q,
+        return (_batch(q, params), _ragged_descriptor, 0, lse.stride(1), params.cu_seqlens_q,
                 params.cu_seqlens_k, order, params.max_seqlen_q, params.max_seqlen_k, q.shape[1], k.shape[1],
                 params.offset, int(params.offset_bottom_right))
     Sq, Sk = q.shape[1], k.shape[1]
     offset = params.offset + (Sk - Sq if params.offset_bottom_right else 0)
-    return q.shape[0], _descriptor, lse.stride(0), lse.stride(1), lse, lse, lse, Sq, Sk, Sq, Sk, offset, 0
+    return _batch(q, params), _descriptor, lse.stride(0), lse.stride(1), lse, lse, lse, Sq, Sk, Sq, Sk, offset, 0
 
 
 def _f32(x: float) -> float:
@@ -197,12 +202,13 @@ def input_descriptors(q, k, v, do, params: AttnParams, cfg):
     return desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(do, cfg.block_m)
 
 
-def far_flags(q, k, lse_lo):
-    """With lse_lo: the zeroed int32 [B * Hkv] the dQ kernel marks the GQA groups with a row far
-    from 0 in, for the dK/dV kernel launched after it (`attention_bwd_dq`'s `far`); else None."""
+def far_flags(q, k, params: AttnParams, lse_lo):
+    """With lse_lo: the zeroed int32 [B * Hkv] (B: `_batch`, one per dK/dV program row of the grid)
+    the dQ kernel marks the GQA groups with a row far from 0 in, for the dK/dV kernel launched
+    after it (`attention_bwd_dq`'s `far`); else None."""
     if lse_lo is None:
         return None
-    return torch.zeros(lse_lo.shape[0] * k.shape[2], device=q.device, dtype=torch.int32)
+    return torch.zeros(_batch(q, params) * k.shape[2], device=q.device, dtype=torch.int32)
 
 
 def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None, lse_lo=None,

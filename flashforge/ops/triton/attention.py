@@ -268,7 +268,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
             shared = gluon_attention.input_descriptors(q, k, v, do, params, g_kv)
         # dQ first: it also computes delta = rowsum(o * dO) - dlse, which the dK/dV kernel reads
         # (and, with lse_lo, which GQA groups have a row far from 0: the dK/dV kernel's scan, done once)
-        far = gluon_attention.far_flags(q, k, lse_lo)
+        far = gluon_attention.far_flags(q, k, params, lse_lo)
         dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order, shared, o, dlse,
                                               lse_lo=lse_lo, far=far)
         dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order, shared,
