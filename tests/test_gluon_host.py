@@ -48,6 +48,9 @@ def test_ragged_strides_suit_the_copy_engine():
     assert all(0 < n < 2**32 for n in shape)
 
 
+FWD = gluon_attention._FWD_HEAD_DIMS
+
+
 def _params(**kw):
     return AttnParams(scale=0.1, **kw)
 
@@ -63,8 +66,18 @@ def _params(**kw):
 def test_scope_of_dense_calls(kw, ok):
     q = torch.empty(2, 128, 4, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
-    assert gluon_attention._scores_in_scope(q, k, k, None, _params(**kw), (9, 0)) == ok
-    assert not gluon_attention._scores_in_scope(q, k, k, None, _params(**kw), (8, 0))
+    assert gluon_attention._scores_in_scope(q, k, k, None, _params(**kw), (9, 0), FWD) == ok
+    assert not gluon_attention._scores_in_scope(q, k, k, None, _params(**kw), (8, 0), FWD)
+
+
+@pytest.mark.parametrize("D, fwd, bwd", [(64, True, True), (128, True, True), (256, True, False), (96, False, False),
+                                         (192, False, False)])
+def test_head_dims_of_each_pass(D, fwd, bwd):
+    """D = 256 takes the Gluon forward (one float32 accumulator fits) but not its backward (two
+    do not): that backward is the portable kernel's, which reads the Gluon forward's lse."""
+    q = torch.empty(2, 128, 4, D, dtype=torch.bfloat16)
+    assert gluon_attention._scores_in_scope(q, q, q, None, _params(), (9, 0), FWD) == fwd
+    assert gluon_attention._scores_in_scope(q, q, q, None, _params(), (9, 0), gluon_attention._BWD_HEAD_DIMS) == bwd
 
 
 def test_scope_of_packed_calls_reads_the_longest_sequence():
@@ -73,8 +86,8 @@ def test_scope_of_packed_calls_reads_the_longest_sequence():
     q = torch.empty(1, 1000, 4, 64, dtype=torch.float16)
     cu = torch.tensor([0, 500, 1000], dtype=torch.int32)
     packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_k=500)
-    assert gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=500, **packed), (9, 0))
-    assert not gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=40, **packed), (9, 0))
+    assert gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=500, **packed), (9, 0), FWD)
+    assert not gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=40, **packed), (9, 0), FWD)
 
 
 def test_dense_bottom_right_is_folded_into_the_offset():

@@ -64,6 +64,52 @@ def test_against_reference(c, dtype, gluon_calls):
     assert gluon_calls, "the Gluon forward was not used"
 
 
+# D = 256: the Gluon forward with the table's tiles and the variants a sweep may pick (one or
+# two warpgroups, 32- or 64-key tiles, a one-slot V ring); its backward is the portable kernels'
+# (two float32 accumulators of 256 columns do not fit a Gluon dK/dV program), run on its o and lse
+D256_VARIANTS = {"table": None, "64x32": (64, 32, 4, 2), "64x64-v1": (64, 64, 4, 2, 1), "128x32-s3": (128, 32, 8, 3),
+                 "128x64-2wg": (128, 64, 8, 2)}
+
+
+@pytest.fixture(params=list(D256_VARIANTS), ids=list(D256_VARIANTS))
+def gluon_calls_256(request, monkeypatch):
+    tiles = D256_VARIANTS[request.param]
+    if tiles is not None:
+        for kind in ("fwd", "fwd_causal"):
+            configs.set_config(kind, 256, 2, configs.TileConfig(*tiles[:4], gluon=True,
+                                                              v_stages=tiles[4] if len(tiles) > 4 else 0))
+    calls = []
+    real = gluon_attention.attention_forward
+
+    def spy(q, *args, **kw):
+        calls.append(tuple(q.shape))
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(gluon_attention, "attention_forward", spy)
+    yield calls
+    for kind in ("fwd", "fwd_causal"):
+        configs.set_config(kind, 256, 2, None)
+
+
+D256_CASES = [
+    case("S333-D256", BF16, B=2, Sq=333, Sk=333, Hq=2, Hkv=2, D=256),
+    case("S515-D256-causal-gqa4/2", F16, B=1, Sq=515, Sk=515, Hq=4, Hkv=2, D=256, causal=True),
+    case("Sq100-Sk700-bottom-right", BF16, B=2, Sq=100, Sk=700, Hq=2, Hkv=1, D=256, causal=True, causal_offset=600),
+    case("Sq300-Sk90-empty-rows", F16, B=1, Sq=300, Sk=90, Hq=2, Hkv=2, D=256, causal=True, causal_offset=-150),
+    case("Sq64-Sk33", BF16, B=3, Sq=64, Sk=33, Hq=1, Hkv=1, D=256),
+    case("sharp-softmax-D256", BF16, B=1, Sq=200, Sk=456, Hq=2, Hkv=2, D=256, input_scale=4.0),
+]
+
+
+@pytest.mark.parametrize("c, dtype", D256_CASES)
+def test_d256_against_reference(c, dtype, gluon_calls_256):
+    check_case(c, "triton", device="cuda", dtype=dtype)
+    # the tiles asked for Gluon (a variant), or the table has a Gluon entry for D = 256
+    wanted = (configs.get_config("fwd", 256, 2, False, causal=c.causal, arch=(9, 0)).gluon
+              or configs.gluon_config(256, 2, c.causal, (9, 0)) is not None)
+    assert bool(gluon_calls_256) == wanted, f"Gluon forward calls {gluon_calls_256}, wanted: {wanted}"
+
+
 @pytest.mark.parametrize("kw", [dict(softcap=5.0), dict(window=(64, -1), causal=True), dict(dropout_p=0.1, seed=3)],
                          ids=["softcap", "window", "dropout"])
 def test_out_of_scope_takes_portable_kernel(kw, gluon_calls):
@@ -221,6 +267,8 @@ VARLEN_CASES = [
                  dict(causal=True, causal_offset="bottom_right"), BF16, id="D128-causal-bottom-right-cross"),
     pytest.param(dict(lq=[257, 90], lk=[100, 513], Hq=2, Hkv=2, D=64), dict(causal=True, causal_offset=40), F16,
                  id="D64-causal-offset-cross"),
+    pytest.param(dict(lq=[300, 77, 129], lk=None, Hq=2, Hkv=1, D=256), dict(causal=True), BF16, id="D256-causal-gqa"),
+    pytest.param(dict(lq=[70, 200], lk=[333, 64], Hq=2, Hkv=2, D=256), dict(), F16, id="D256-cross"),
 ]
 
 
@@ -257,9 +305,10 @@ def test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies):
                                          return_lse=True, backend="triton", **kw)
     do = torch.randn(o.shape, device="cuda", generator=gen).to(dtype)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
-    assert gluon_spies["fwd"] == 1 and gluon_spies["bwd_q"] == 1
-    if configs.gluon_config(D, 2, False, (9, 0), "bwd_kv") is not None:
-        assert gluon_spies["bwd_kv"] == 1
+    assert gluon_spies["fwd"] == (configs.gluon_config(D, 2, "causal" in kw, (9, 0)) is not None)
+    for kind in ("bwd_q", "bwd_kv"):  # D = 256: the portable backward on the Gluon forward's lse
+        assert gluon_spies[kind] == (D in gluon_attention._BWD_HEAD_DIMS
+                                     and configs.gluon_config(D, 2, False, (9, 0), kind) is not None)
 
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     outs, lses = [], []

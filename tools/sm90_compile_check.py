@@ -190,6 +190,7 @@ def record(quick: bool):
 
     run()
     run(window_right=0)
+    run(D=256, dtype=torch.float16)  # the table's D = 256 forward (Gluon on sm_90) on a portable backward
     for D in (64, 128):  # without lse_lo (the backward kernels' HAS_LO=False variants)
         run(D=D, window_right=0, lo=False)
     run(D=128, window_right=0, dropout_p=0.1, seed=3)
@@ -226,7 +227,7 @@ def record(quick: bool):
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
     # packed (varlen) batches: the table's Gluon kernels through ragged descriptors on sm_90
     cu = torch.tensor([0, 150, 256], dtype=torch.int32)
-    for D in (64, 128):
+    for D in (64, 128, 256):  # (D = 256: the Gluon forward, the portable backward)
         for causal in (dict(), dict(window_right=0, offset_bottom_right=True)):
             run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
                 **causal)

@@ -19,7 +19,10 @@ from ..launch import cdiv, launch
 from ..params import AttnParams
 from ..tma import tma_ready
 
-_HEAD_DIMS = (64, 128)
+# head dims (D = Dv) each family serves: the forward's accumulator is one [rows, D] float32
+# tile, which fits up to D = 256; the backward holds two (dK, dV), which past 128 do not
+_FWD_HEAD_DIMS = (64, 128, 256)
+_BWD_HEAD_DIMS = (64, 128)
 # q as a register operand instead of shared memory: measured mixed (H200, D = 128: causal
 # 16k 586 against 569 TFLOP/s, plain 4k 504 against 544), so off; kept to re-measure
 _Q_IN_REGS = os.environ.get("FLASHFORGE_GLUON_Q_REGS", "0") == "1"
@@ -48,8 +51,8 @@ def _kernel():
     return attn_fwd_sm90_kernel, gl, TensorDescriptor
 
 
-def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> bool:
-    """sm_90, bf16/fp16 with D = Dv in {64, 128}, dense or packed (varlen), plain or causal
+def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int], head_dims) -> bool:
+    """sm_90, bf16/fp16 with D = Dv in `head_dims`, dense or packed (varlen), plain or causal
     scores (an integer offset, or bottom-right aligned): no mask, bias, dropout, softcap, ALiBi,
     window, RoPE, KV cache or split keys; at least 64 query rows (the longest sequence's, when
     packed: decoding-sized query blocks take the portable kernel, which packs GQA groups; and
@@ -57,7 +60,7 @@ def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -
     p = params
     if tuple(arch) != (9, 0) or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.shape[3] not in _HEAD_DIMS or v.shape[3] != q.shape[3]:
+    if q.shape[3] not in head_dims or v.shape[3] != q.shape[3]:
         return False
     if (p.max_seqlen_q if p.is_varlen else q.shape[1]) < 64:
         return False
@@ -70,7 +73,7 @@ def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -
 def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> bool:
     """Whether the Gluon forward computes this call: `_scores_in_scope`, tensors the copy engine
     can read, tiles of one warp per 16 query rows, and at least `cfg.min_keys` keys."""
-    if not _scores_in_scope(q, k, v, mask, params, arch):
+    if not _scores_in_scope(q, k, v, mask, params, arch, _FWD_HEAD_DIMS):
         return False
     if (params.max_seqlen_k if params.is_varlen else k.shape[1]) < cfg.min_keys or cfg.block_m != 16 * cfg.num_warps:
         return False
@@ -134,7 +137,7 @@ def bwd_call_in_scope(q, k, v, do, lse, mask, params: AttnParams, arch: tuple[in
     """Whether the Gluon backward kernels may compute this call (each then also needs
     `bwd_tiles_fit`): the forward's scope, dO in q's dtype and readable by the copy engine, a
     contiguous lse (and lse_lo)."""
-    if not _scores_in_scope(q, k, v, mask, params, arch) or not lse.is_contiguous() or do.dtype != q.dtype:
+    if not _scores_in_scope(q, k, v, mask, params, arch, _BWD_HEAD_DIMS) or not lse.is_contiguous() or do.dtype != q.dtype:
         return False
     if lse_lo is not None and not lse_lo.is_contiguous():
         return False

@@ -98,6 +98,9 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # causal): the forward in 128 x 32 tiles, 8 warps, 3 stages through TMA 448 / 464 against 351 / 351
     # for 64 x 32 x 4 warps (which spilled nothing; more rows per program is what paid)
     ("fwd", 256, 2): TileConfig(128, 32, 8, 3, tma=True),
+    # D = 256 in the Gluon forward: PROVISIONAL, to be replaced by the sweep's winner
+    ("fwd_gluon", 256, 2): TileConfig(64, 32, 4, 2, gluon=True),
+    ("fwd_gluon_causal", 256, 2): TileConfig(64, 32, 4, 2, gluon=True),
     # The Gluon backward (ops/gluon/attention_bwd_sm90.py) for the calls in the Gluon forward's
     # scope: bwd_kv: block_n keys resident (one warpgroup), block_m-query tiles streamed;
     # bwd_q: block_m queries resident, block_n-key tiles streamed.  H200 sweep, S = 4k, whole
