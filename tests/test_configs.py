@@ -128,7 +128,9 @@ def test_gluon_config_yields_to_forward_overrides():
     assert configs.gluon_config(128, 2, True, (9, 0), "bwd_kv") == configs._SM90[("bwd_kv_gluon", 128, 2)]
     assert configs.gluon_config(64, 2, False, (9, 0), "bwd_q") == configs._SM90[("bwd_q_gluon", 64, 2)]
     assert configs.gluon_config(64, 2, True, (9, 0), "bwd_kv") == configs._SM90[("bwd_kv_gluon", 64, 2)]
-    assert configs.gluon_config(256, 2, False, (9, 0), "bwd_kv") is None  # D = 256: the portable kernels
+    # D = 256: dV and dK in two launches (two [keys, 256] float32 accumulators do not fit one program)
+    assert configs.gluon_config(256, 2, False, (9, 0), "bwd_kv").split_kv
+    assert configs.gluon_config(96, 4, False, (9, 0), "bwd_kv") is None  # float32: no entry
     assert configs.gluon_config(128, 2, False, (8, 0), "bwd_q") is None
     try:
         configs.set_config("bwd_q", 128, 2, configs.TileConfig(64, 64, 4, 2))

@@ -110,16 +110,18 @@ def test_extreme_logits_gqa_without_ties(consistent_dots):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,magnitude", [(torch.float16, 1e4), (torch.bfloat16, 3e3), (torch.float32, 1e3),
                                              (torch.float32, 1e4)], ids=["fp16-1e4", "bf16-3e3", "fp32-1e3", "fp32-1e4"])
-@pytest.mark.parametrize("D,S", [(40, 80), (64, 128), (128, 200)], ids=["portable-D40", "D64", "D128"])
+@pytest.mark.parametrize("D,S", [(40, 80), (64, 128), (128, 200), (256, 150)],
+                         ids=["portable-D40", "D64", "D128", "D256"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_extreme_logits_gpu(dtype, magnitude, D, S, causal):
-    """D = 64 / 128 with 16-bit inputs and >= 64 rows take the sm_90 Gluon kernels on an H100/H200."""
+    """D = 64 / 128 / 256 with 16-bit inputs and >= 64 rows take the sm_90 Gluon kernels on an
+    H100/H200 (D = 256: dV and dK in two launches of the dK/dV kernel, each with its far pass)."""
     _check(dtype, magnitude, B=2, S=S, Hq=4, Hkv=2, D=D, causal=causal)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_extreme_logits_gpu_mixed_groups(dtype, D, causal):
     """Far and ordinary GQA groups in one call: the sm_90 dK/dV kernel's first launch computes the

@@ -5,6 +5,7 @@ import torch
 
 from flashforge.ops.gluon import attention as gluon_attention
 from flashforge.ops.params import AttnParams
+from flashforge.ops.triton.configs import TileConfig
 
 M64 = 2**64
 
@@ -48,9 +49,6 @@ def test_ragged_strides_suit_the_copy_engine():
     assert all(0 < n < 2**32 for n in shape)
 
 
-FWD = gluon_attention._FWD_HEAD_DIMS
-
-
 def _params(**kw):
     return AttnParams(scale=0.1, **kw)
 
@@ -66,18 +64,27 @@ def _params(**kw):
 def test_scope_of_dense_calls(kw, ok):
     q = torch.empty(2, 128, 4, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 200, 2, 128, dtype=torch.bfloat16)
-    assert gluon_attention._scores_in_scope(q, k, k, None, _params(**kw), (9, 0), FWD) == ok
-    assert not gluon_attention._scores_in_scope(q, k, k, None, _params(**kw), (8, 0), FWD)
+    assert gluon_attention._scores_in_scope(q, k, k, None, _params(**kw), (9, 0)) == ok
+    assert not gluon_attention._scores_in_scope(q, k, k, None, _params(**kw), (8, 0))
 
 
-@pytest.mark.parametrize("D, fwd, bwd", [(64, True, True), (128, True, True), (256, True, False), (96, False, False),
-                                         (192, False, False)])
-def test_head_dims_of_each_pass(D, fwd, bwd):
-    """D = 256 takes the Gluon forward (one float32 accumulator fits) but not its backward (two
-    do not): that backward is the portable kernel's, which reads the Gluon forward's lse."""
+@pytest.mark.parametrize("D, ok", [(64, True), (128, True), (256, True), (96, False), (192, False), (32, False)])
+def test_head_dims(D, ok):
     q = torch.empty(2, 128, 4, D, dtype=torch.bfloat16)
-    assert gluon_attention._scores_in_scope(q, q, q, None, _params(), (9, 0), FWD) == fwd
-    assert gluon_attention._scores_in_scope(q, q, q, None, _params(), (9, 0), gluon_attention._BWD_HEAD_DIMS) == bwd
+    assert gluon_attention._scores_in_scope(q, q, q, None, _params(), (9, 0)) == ok
+
+
+@pytest.mark.parametrize("kind, cfg, D, ok", [
+    ("bwd_kv", TileConfig(64, 64, 4, 2, gluon=True), 128, True),
+    ("bwd_kv", TileConfig(64, 64, 4, 2, gluon=True), 256, False),  # dK and dV at once: 256 registers
+    ("bwd_kv", TileConfig(32, 128, 8, 2, gluon=True, split_kv=True), 256, True),
+    ("bwd_kv", TileConfig(32, 64, 8, 2, gluon=True, split_kv=True), 256, False),  # 8 warps, 64 keys
+    ("bwd_q", TileConfig(64, 32, 4, 2, gluon=True), 256, True),
+    ("bwd_q", TileConfig(64, 32, 8, 2, gluon=True), 256, False),
+])
+def test_backward_tiles_fit(kind, cfg, D, ok):
+    """One warp per 16 resident rows; past D = 128 the dK/dV kernel only in two launches."""
+    assert gluon_attention.bwd_tiles_fit(kind, cfg, D) == ok
 
 
 def test_scope_of_packed_calls_reads_the_longest_sequence():
@@ -86,8 +93,8 @@ def test_scope_of_packed_calls_reads_the_longest_sequence():
     q = torch.empty(1, 1000, 4, 64, dtype=torch.float16)
     cu = torch.tensor([0, 500, 1000], dtype=torch.int32)
     packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_k=500)
-    assert gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=500, **packed), (9, 0), FWD)
-    assert not gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=40, **packed), (9, 0), FWD)
+    assert gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=500, **packed), (9, 0))
+    assert not gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=40, **packed), (9, 0))
 
 
 def test_dense_bottom_right_is_folded_into_the_offset():

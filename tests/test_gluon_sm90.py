@@ -65,8 +65,7 @@ def test_against_reference(c, dtype, gluon_calls):
 
 
 # D = 256: the Gluon forward with the table's tiles and the variants a sweep may pick (one or
-# two warpgroups, 32- or 64-key tiles, a one-slot V ring); its backward is the portable kernels'
-# (two float32 accumulators of 256 columns do not fit a Gluon dK/dV program), run on its o and lse
+# two warpgroups, 32- or 64-key tiles, a one-slot V ring), the table's backward on its o and lse
 D256_VARIANTS = {"table": None, "64x32": (64, 32, 4, 2), "64x64-v1": (64, 64, 4, 2, 1), "128x32-s3": (128, 32, 8, 3),
                  "128x64-2wg": (128, 64, 8, 2)}
 
@@ -108,6 +107,48 @@ def test_d256_against_reference(c, dtype, gluon_calls_256):
     wanted = (configs.get_config("fwd", 256, 2, False, causal=c.causal, arch=(9, 0)).gluon
               or configs.gluon_config(256, 2, c.causal, (9, 0)) is not None)
     assert bool(gluon_calls_256) == wanted, f"Gluon forward calls {gluon_calls_256}, wanted: {wanted}"
+
+
+# D = 256 in the Gluon backward: dV and dK in two launches of the dK/dV kernel (split_kv), with
+# the table's tiles and the variants a sweep may pick (32-query tiles over 128 or 64 keys, 2 or 3
+# slots; dQ over 32-key tiles with one or two warpgroups); and one pass Gluon, the other portable
+D256_BWD_VARIANTS = {
+    "table": None,
+    "kv-32x128-s3+q-128x32": (TC(32, 128, 8, 3, gluon=True, split_kv=True), TC(128, 32, 8, 2, gluon=True)),
+    "kv-32x64+q-64x32-s3": (TC(32, 64, 4, 2, gluon=True, split_kv=True), TC(64, 32, 4, 3, gluon=True)),
+    "kv-64x64+portable-q": (TC(64, 64, 4, 2, gluon=True, split_kv=True), TC(128, 32, 8, 2)),
+    "portable-kv+q-64x32": (TC(16, 128, 8, 3, split_kv=True), TC(64, 32, 4, 2, gluon=True)),
+}
+
+
+@pytest.fixture(params=list(D256_BWD_VARIANTS), ids=list(D256_BWD_VARIANTS))
+def gluon_bwd_calls_256(request, monkeypatch):
+    """{kind: calls} of the Gluon backward launchers, and the tiles asked for (None: the table's)."""
+    pair = D256_BWD_VARIANTS[request.param]
+    if pair is not None:
+        configs.set_config("bwd_kv", 256, 2, pair[0])
+        configs.set_config("bwd_q", 256, 2, pair[1])
+    calls = {"bwd_kv": [], "bwd_q": []}
+    for kind, name in (("bwd_kv", "attention_bwd_dkdv"), ("bwd_q", "attention_bwd_dq")):
+        real = getattr(gluon_attention, name)
+
+        def spy(q, *args, real=real, kind=kind, **kw):
+            calls[kind].append(tuple(q.shape))
+            return real(q, *args, **kw)
+
+        monkeypatch.setattr(gluon_attention, name, spy)
+    yield calls, pair
+    configs.set_config("bwd_kv", 256, 2, None)
+    configs.set_config("bwd_q", 256, 2, None)
+
+
+@pytest.mark.parametrize("c, dtype", D256_CASES)
+def test_d256_backward_against_reference(c, dtype, gluon_bwd_calls_256):
+    calls, pair = gluon_bwd_calls_256
+    check_case(c, "triton", device="cuda", dtype=dtype)
+    for i, kind in enumerate(("bwd_kv", "bwd_q")):
+        asked = pair[i].gluon if pair is not None else configs.gluon_config(256, 2, False, (9, 0), kind) is not None
+        assert bool(calls[kind]) == asked, f"Gluon {kind} calls {calls[kind]}, wanted: {asked}"
 
 
 @pytest.mark.parametrize("kw", [dict(softcap=5.0), dict(window=(64, -1), causal=True), dict(dropout_p=0.1, seed=3)],
@@ -306,9 +347,9 @@ def test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies):
     do = torch.randn(o.shape, device="cuda", generator=gen).to(dtype)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     assert gluon_spies["fwd"] == (configs.gluon_config(D, 2, "causal" in kw, (9, 0)) is not None)
-    for kind in ("bwd_q", "bwd_kv"):  # D = 256: the portable backward on the Gluon forward's lse
-        assert gluon_spies[kind] == (D in gluon_attention._BWD_HEAD_DIMS
-                                     and configs.gluon_config(D, 2, False, (9, 0), kind) is not None)
+    for kind in ("bwd_q", "bwd_kv"):
+        g = configs.gluon_config(D, 2, False, (9, 0), kind)
+        assert gluon_spies[kind] == (g is not None and gluon_attention.bwd_tiles_fit(kind, g, D))
 
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     outs, lses = [], []

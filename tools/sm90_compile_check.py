@@ -190,7 +190,7 @@ def record(quick: bool):
 
     run()
     run(window_right=0)
-    run(D=256, dtype=torch.float16)  # the table's D = 256 forward (Gluon on sm_90) on a portable backward
+    run(D=256, dtype=torch.float16)  # the table's D = 256 (Gluon on sm_90; dV and dK in two launches)
     for D in (64, 128):  # without lse_lo (the backward kernels' HAS_LO=False variants)
         run(D=D, window_right=0, lo=False)
     run(D=128, window_right=0, dropout_p=0.1, seed=3)
@@ -224,10 +224,17 @@ def record(quick: bool):
                 if kind.startswith("bwd") else real_get(kind, d, e, False, **kw)
             for D in (64, 128):
                 run(D=D, window_right=0)
+        # D = 256's Gluon backward variants (tests/test_gluon_sm90.py's D256_BWD_VARIANTS)
+        TC = configs.TileConfig
+        for kv, dq in ((TC(32, 128, 8, 3, gluon=True, split_kv=True), TC(128, 32, 8, 2, gluon=True)),
+                       (TC(32, 64, 4, 2, gluon=True, split_kv=True), TC(64, 32, 4, 3, gluon=True))):
+            launchers.get_config = lambda kind, d, e, interpret, kv=kv, dq=dq, **kw: (
+                kv if kind == "bwd_kv" else dq if kind == "bwd_q" else real_get(kind, d, e, False, **kw))
+            run(D=256, window_right=0)
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
     # packed (varlen) batches: the table's Gluon kernels through ragged descriptors on sm_90
     cu = torch.tensor([0, 150, 256], dtype=torch.int32)
-    for D in (64, 128, 256):  # (D = 256: the Gluon forward, the portable backward)
+    for D in (64, 128, 256):
         for causal in (dict(), dict(window_right=0, offset_bottom_right=True)):
             run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
                 **causal)

@@ -19,10 +19,10 @@ from ..launch import cdiv, launch
 from ..params import AttnParams
 from ..tma import tma_ready
 
-# head dims (D = Dv) each family serves: the forward's accumulator is one [rows, D] float32
-# tile, which fits up to D = 256; the backward holds two (dK, dV), which past 128 do not
-_FWD_HEAD_DIMS = (64, 128, 256)
-_BWD_HEAD_DIMS = (64, 128)
+# head dims (D = Dv) the kernels serve.  The forward's and the dQ kernel's accumulator is one
+# [rows, D] float32 tile, which fits up to D = 256; the dK/dV kernel's two (dK, dV) do not past
+# D = 128, so there it runs twice, one accumulator each (`bwd_tiles_fit`: split_kv)
+_HEAD_DIMS = (64, 128, 256)
 # q as a register operand instead of shared memory: measured mixed (H200, D = 128: causal
 # 16k 586 against 569 TFLOP/s, plain 4k 504 against 544), so off; kept to re-measure
 _Q_IN_REGS = os.environ.get("FLASHFORGE_GLUON_Q_REGS", "0") == "1"
@@ -51,8 +51,8 @@ def _kernel():
     return attn_fwd_sm90_kernel, gl, TensorDescriptor
 
 
-def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int], head_dims) -> bool:
-    """sm_90, bf16/fp16 with D = Dv in `head_dims`, dense or packed (varlen), plain or causal
+def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> bool:
+    """sm_90, bf16/fp16 with D = Dv in {64, 128, 256}, dense or packed (varlen), plain or causal
     scores (an integer offset, or bottom-right aligned): no mask, bias, dropout, softcap, ALiBi,
     window, RoPE, KV cache or split keys; at least 64 query rows (the longest sequence's, when
     packed: decoding-sized query blocks take the portable kernel, which packs GQA groups; and
@@ -60,7 +60,7 @@ def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int], h
     p = params
     if tuple(arch) != (9, 0) or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.shape[3] not in head_dims or v.shape[3] != q.shape[3]:
+    if q.shape[3] not in _HEAD_DIMS or v.shape[3] != q.shape[3]:
         return False
     if (p.max_seqlen_q if p.is_varlen else q.shape[1]) < 64:
         return False
@@ -73,7 +73,7 @@ def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int], h
 def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> bool:
     """Whether the Gluon forward computes this call: `_scores_in_scope`, tensors the copy engine
     can read, tiles of one warp per 16 query rows, and at least `cfg.min_keys` keys."""
-    if not _scores_in_scope(q, k, v, mask, params, arch, _FWD_HEAD_DIMS):
+    if not _scores_in_scope(q, k, v, mask, params, arch):
         return False
     if (params.max_seqlen_k if params.is_varlen else k.shape[1]) < cfg.min_keys or cfg.block_m != 16 * cfg.num_warps:
         return False
@@ -137,16 +137,19 @@ def bwd_call_in_scope(q, k, v, do, lse, mask, params: AttnParams, arch: tuple[in
     """Whether the Gluon backward kernels may compute this call (each then also needs
     `bwd_tiles_fit`): the forward's scope, dO in q's dtype and readable by the copy engine, a
     contiguous lse (and lse_lo)."""
-    if not _scores_in_scope(q, k, v, mask, params, arch, _BWD_HEAD_DIMS) or not lse.is_contiguous() or do.dtype != q.dtype:
+    if not _scores_in_scope(q, k, v, mask, params, arch) or not lse.is_contiguous() or do.dtype != q.dtype:
         return False
     if lse_lo is not None and not lse_lo.is_contiguous():
         return False
     return _bwd_kernels() is not None and _kernel() is not None and all(tma_ready(t) for t in (q, k, v, do))
 
 
-def bwd_tiles_fit(kind: str, cfg) -> bool:
+def bwd_tiles_fit(kind: str, cfg, head_dim: int) -> bool:
     """One warp per 16 rows of the kernel's resident block: keys for "bwd_kv" (dK/dV), queries
-    for "bwd_q" (dQ)."""
+    for "bwd_q" (dQ); and past D = 128, dK and dV in two launches (split_kv: with both
+    accumulators in registers, 256 a thread, the kernel would spill)."""
+    if kind == "bwd_kv" and head_dim > 128 and not cfg.split_kv:
+        return False
     return (cfg.block_n if kind == "bwd_kv" else cfg.block_m) == 16 * cfg.num_warps
 
 
@@ -234,10 +237,12 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dk, cfg.block_n), desc(dv, cfg.block_n),
             lse, lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q,
             tot_k, Hq // Hkv, offset, br, _qk_scale(params.scale), params.scale)
-    for second in ((False,) if lse_lo is None else (False, True)):
-        launch(dkdv, grid, *args, CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
-               STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen, HAS_LO=lse_lo is not None,
-               LO_PASS=second, FAR_READY=ready, num_warps=cfg.num_warps)
+    # split_kv: dV (PART 1), then dK (PART 2); the second part's scan finds what the first's did
+    for part in (1, 2) if cfg.split_kv else (0,):
+        for second in ((False,) if lse_lo is None else (False, True)):
+            launch(dkdv, grid, *args, CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                   D=D, STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen,
+                   HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, PART=part, num_warps=cfg.num_warps)
     return dk, dv
 
 

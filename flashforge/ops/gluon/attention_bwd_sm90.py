@@ -201,31 +201,101 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
 
 
 @gluon.jit
+def _split_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, PART: gl.constexpr):
+    """`_issue_scores` for one part: S^T_t alone for dV (PART 1; returned twice), with dP^T_t for dK."""
+    if PART == 1:
+        wait(bars, t, STAGES)
+        st = warpgroup_mma(k_t, slot(q_ring, t, BLOCK_M, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)
+        dpt = st
+    else:
+        st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
+    return st, dpt
+
+
+@gluon.jit
+def _split_product(st, dpt, acc, q_ring, do_ring, t, n_mt, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
+                   offset, qk_scale, LSE, LSE_LO, DELTA, col_s: gl.constexpr, op_layout: gl.constexpr,
+                   dtype: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                   HAS_LO: gl.constexpr, FUSE: gl.constexpr, PART: gl.constexpr):
+    """Tile t's P^T (dS^T) from its scores, and dV += P^T dO (dK += dS^T Q) issued.  PART 1's
+    dS^T (from S^T standing in for dP^T) is never used, so the compiler drops it and its delta."""
+    pt, dst = _tile_grads(st, dpt, t, n_mt, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset,
+                          qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO, FUSE=FUSE)
+    if PART == 1:
+        acc = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES), acc,
+                            is_async=True)
+    else:
+        acc = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, t, BLOCK_M, D, STAGES), acc,
+                            is_async=True)
+    return acc
+
+
+@gluon.jit
+def _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, T, n_mt_div, n_masked, mt_lo, b, hk,
+                 group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO, DELTA,
+                 col_s: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_M: gl.constexpr,
+                 D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, HAS_LO: gl.constexpr,
+                 FUSE: gl.constexpr, PART: gl.constexpr):
+    """One of dV (PART 1: sum of P^T dO, from S^T alone) and dK (PART 2: sum of dS^T Q) over the
+    T > 0 flattened query tiles, one tile at a time as `_dkdv_tiles` without PIPE: tile t's
+    product runs while tile t+1's slot is awaited and its scores issued."""
+    # PART 1 has no dP^T: S^T stands in for it, and the dS^T it would give is never used
+    st, dpt = _split_scores(k_t, v_t, q_ring, do_ring, bars, 0, s_zero, BLOCK_M, D, STAGES, PART)
+    if PART == 1:
+        st = warpgroup_mma_wait(0, deps=(st, ))
+        dpt = st
+    else:
+        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+    acc = _split_product(st, dpt, acc, q_ring, do_ring, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh,
+                         Sq, o_n, offset, qk_scale, LSE, LSE_LO, DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES,
+                         HAS_LO, FUSE, PART)
+    for t in range(1, T):
+        st, dpt = _split_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES, PART)
+        # also retires tile t-1's product: its slot is free
+        if PART == 1:
+            st, acc = warpgroup_mma_wait(0, deps=(st, acc))
+            dpt = st
+        else:
+            st, dpt, acc = warpgroup_mma_wait(0, deps=(st, dpt, acc))
+        _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
+                  q_start, Sq, BLOCK_M, STAGES, VARLEN)
+        acc = _split_product(st, dpt, acc, q_ring, do_ring, t, n_mt_div, n_masked, mt_lo, hk, group, row_b,
+                             stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO, DELTA, col_s, op_layout, dtype,
+                             BLOCK_M, D, STAGES, HAS_LO, FUSE, PART)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    return acc
+
+
+@gluon.jit
 def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                               stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset,
                               bottom_right, qk_scale, scale,
                               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                               STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
                               HAS_LO: gl.constexpr, LO_PASS: gl.constexpr, FAR_READY: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              PART: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV of one key block.  With lse_lo (HAS_LO) a call is two launches of this kernel:
     the first (LO_PASS=False) serves every program whose GQA group has no row far from 0
     (`_lo_needed`) and records the answer in FAR[b * Hkv + hk]; the second (LO_PASS=True)
     redoes the programs FAR marks, subtracting lse_lo, and the others leave at once.  One copy
     of the loop per kernel: with both copies in one kernel (a branch per program), ptxas spilled
     the loop's registers (176-200 B of stack at D = 128) and the causal kernel ran ~12% slower
-    on every call, far rows or not."""
+    on every call, far rows or not.  PART 0 computes dK and dV; past D = 128, where two float32
+    [keys, D] accumulators do not fit in registers, a call launches it with PART 1 (dV only) and
+    then PART 2 (dK only), one accumulator each, at the cost of one more K Q^T per tile."""
     if LO_PASS:
         if gl.load(FAR + gl.program_id(1)) != 0:
             _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                         stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
                         qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, True, False, False,
-                        num_warps)
+                        PART, num_warps)
     else:
         _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                     stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
                     qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY,
-                    num_warps)
+                    PART, num_warps)
 
 
 @gluon.jit
@@ -233,7 +303,7 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
                 CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, qk_scale, scale,
                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                 STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr,
-                SCAN: gl.constexpr, FAR_READY: gl.constexpr, num_warps: gl.constexpr):
+                SCAN: gl.constexpr, FAR_READY: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):
     """The kernel's program: USE_LO subtracts lse_lo in the loop; SCAN leaves the loop to the
     second launch where the group has a far row, and writes FAR (FAR_READY: reads it, as the dQ
     kernel wrote it)."""
@@ -273,7 +343,8 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     n_masked = gl.minimum(mt_full - mt_lo, n_mt)
 
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    if PART != 1:  # dV alone needs no V (and stores through K's buffer)
+        v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -282,9 +353,13 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     init_barriers(bars, STAGES)
     fence_async_shared()
 
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    copy_in(k_desc, b, n0, hk, k_start, Sk, kv_bar, k_smem, True, VARLEN)
-    copy_in(v_desc, b, n0, hk, k_start, Sk, kv_bar, v_smem, True, VARLEN)
+    if PART == 1:
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes)
+        copy_in(k_desc, b, n0, hk, k_start, Sk, kv_bar, k_smem, True, VARLEN)
+    else:
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        copy_in(k_desc, b, n0, hk, k_start, Sk, kv_bar, k_smem, True, VARLEN)
+        copy_in(v_desc, b, n0, hk, k_start, Sk, kv_bar, v_smem, True, VARLEN)
     for i in gl.static_range(STAGES):
         _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, i, T, n_mt_div, mt_lo, b, hk, group, q_start, Sq, BLOCK_M,
                   STAGES, VARLEN)
@@ -302,26 +377,43 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
             T = 0
 
     o_n = n0 + gl.arange(0, BLOCK_N, layout=row_s)
-    dk = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
-    dv = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     mbarrier.wait(kv_bar, 0)
     k_t = k_smem.reshape([BLOCK_N, D])
-    v_t = v_smem.reshape([BLOCK_N, D])
-
-    if T > 0:
-        dk, dv = _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked,
-                             mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO,
-                             DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES, PIPE, VARLEN, USE_LO, FUSE)
+    if PART == 0:
+        dk = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
+        dv = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
+        v_t = v_smem.reshape([BLOCK_N, D])
+        if T > 0:
+            dk, dv = _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div,
+                                 n_masked, mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale,
+                                 LSE, LSE_LO, DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES, PIPE, VARLEN,
+                                 USE_LO, FUSE)
+    else:
+        acc = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
+        v_t = k_t if PART == 1 else v_smem.reshape([BLOCK_N, D])  # (PART 1 never reads it)
+        if T > 0:
+            acc = _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, T, n_mt_div, n_masked,
+                               mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO,
+                               DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES, VARLEN, USE_LO, FUSE, PART)
 
     mbarrier.invalidate(kv_bar)
     invalidate_barriers(bars, STAGES)
     # dK, dV through K's and V's buffers (no longer read) and TMA, which clips rows past Sk
-    k_smem.reshape([BLOCK_N, D]).store((dk * scale).to(dtype))
-    v_smem.reshape([BLOCK_N, D]).store(dv.to(dtype))
-    fence_async_shared()
-    copy_out(dk_desc, b, n0, hk, k_start, Sk, k_smem, VARLEN)
-    copy_out(dv_desc, b, n0, hk, k_start, Sk, v_smem, VARLEN)
+    if PART == 0:
+        k_smem.reshape([BLOCK_N, D]).store((dk * scale).to(dtype))
+        v_smem.reshape([BLOCK_N, D]).store(dv.to(dtype))
+        fence_async_shared()
+        copy_out(dk_desc, b, n0, hk, k_start, Sk, k_smem, VARLEN)
+        copy_out(dv_desc, b, n0, hk, k_start, Sk, v_smem, VARLEN)
+    elif PART == 1:
+        k_smem.reshape([BLOCK_N, D]).store(acc.to(dtype))
+        fence_async_shared()
+        copy_out(dv_desc, b, n0, hk, k_start, Sk, k_smem, VARLEN)
+    else:
+        k_smem.reshape([BLOCK_N, D]).store((acc * scale).to(dtype))
+        fence_async_shared()
+        copy_out(dk_desc, b, n0, hk, k_start, Sk, k_smem, VARLEN)
     tma.store_wait(0)
 
 

@@ -240,8 +240,8 @@ def _gluon_backward(q, k, v, do, lse, mask, params: AttnParams, cfg_kv, cfg_q, a
         return None, None
     if not gluon_attention.bwd_call_in_scope(q, k, v, do, lse, mask, params, arch, lse_lo):
         return None, None
-    return (g_kv if g_kv is not None and gluon_attention.bwd_tiles_fit("bwd_kv", g_kv) else None,
-            g_q if g_q is not None and gluon_attention.bwd_tiles_fit("bwd_q", g_q) else None)
+    return (g_kv if g_kv is not None and gluon_attention.bwd_tiles_fit("bwd_kv", g_kv, D) else None,
+            g_q if g_q is not None and gluon_attention.bwd_tiles_fit("bwd_q", g_q, D) else None)
 
 
 def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dmask: bool, lse_lo=None):

@@ -98,9 +98,17 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # causal): the forward in 128 x 32 tiles, 8 warps, 3 stages through TMA 448 / 464 against 351 / 351
     # for 64 x 32 x 4 warps (which spilled nothing; more rows per program is what paid)
     ("fwd", 256, 2): TileConfig(128, 32, 8, 3, tma=True),
-    # D = 256 in the Gluon forward: PROVISIONAL, to be replaced by the sweep's winner
-    ("fwd_gluon", 256, 2): TileConfig(64, 32, 4, 2, gluon=True),
-    ("fwd_gluon_causal", 256, 2): TileConfig(64, 32, 4, 2, gluon=True),
+    # D = 256 in the Gluon forward (H200 sweep, RESULTS.md v0.8.6; bf16 TFLOP/s): two warpgroups
+    # of 64 rows each over 64-key tiles, 2 K stages (225-229 registers, no spill).  S = 4k: 573
+    # with one V stage, 564 with two, against 453 for the portable 128 x 32 TMA tiles and 480
+    # for 64 x 32; S = 16k causal: 604 with two V stages, 588 with one, portable 472
+    ("fwd_gluon", 256, 2): TileConfig(128, 64, 8, 2, gluon=True, v_stages=1),
+    ("fwd_gluon_causal", 256, 2): TileConfig(128, 64, 8, 2, gluon=True),
+    # D = 256 in the Gluon backward: dV and dK in two launches (split_kv: one [128 keys, 256]
+    # float32 accumulator over two warpgroups, 184-226 registers, no spill), dQ in 64 x 32 tiles
+    # (247-255 registers, no spill).  PROVISIONAL (offline compile only), to be timed by the sweep
+    ("bwd_kv_gluon", 256, 2): TileConfig(32, 128, 8, 2, gluon=True, split_kv=True),
+    ("bwd_q_gluon", 256, 2): TileConfig(64, 32, 4, 2, gluon=True),
     # The Gluon backward (ops/gluon/attention_bwd_sm90.py) for the calls in the Gluon forward's
     # scope: bwd_kv: block_n keys resident (one warpgroup), block_m-query tiles streamed;
     # bwd_q: block_m queries resident, block_n-key tiles streamed.  H200 sweep, S = 4k, whole
