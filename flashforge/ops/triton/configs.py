@@ -104,11 +104,13 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # for 64 x 32; S = 16k causal: 604 with two V stages, 588 with one, portable 472
     ("fwd_gluon", 256, 2): TileConfig(128, 64, 8, 2, gluon=True, v_stages=1),
     ("fwd_gluon_causal", 256, 2): TileConfig(128, 64, 8, 2, gluon=True),
-    # D = 256 in the Gluon backward: dV and dK in two launches (split_kv: one [128 keys, 256]
-    # float32 accumulator over two warpgroups, 184-226 registers, no spill), dQ in 64 x 32 tiles
-    # (247-255 registers, no spill).  PROVISIONAL (offline compile only), to be timed by the sweep
-    ("bwd_kv_gluon", 256, 2): TileConfig(32, 128, 8, 2, gluon=True, split_kv=True),
-    ("bwd_q_gluon", 256, 2): TileConfig(64, 32, 4, 2, gluon=True),
+    # D = 256 in the Gluon backward: dV and dK in two launches (split_kv: one [keys, 256] float32
+    # accumulator a program).  H200 sweep, RESULTS.md v0.8.6, bf16, whole backward in TFLOP/s
+    # (the other pass's kernel fixed): S = 4k: dK/dV 64 x 64 x 4 warps 273, 32 x 64 247, 32 x 128 x 8
+    # warps 246, the portable split kernel 220; dQ 64 x 32 x 3 stages 273 (S = 16k causal 288),
+    # the portable 128 x 32 267 (278).  S = 16k causal dK/dV: 32 x 128 x 3 stages 251, portable 216
+    ("bwd_kv_gluon", 256, 2): TileConfig(64, 64, 4, 2, gluon=True, split_kv=True),
+    ("bwd_q_gluon", 256, 2): TileConfig(64, 32, 4, 3, gluon=True),
     # The Gluon backward (ops/gluon/attention_bwd_sm90.py) for the calls in the Gluon forward's
     # scope: bwd_kv: block_n keys resident (one warpgroup), block_m-query tiles streamed;
     # bwd_q: block_m queries resident, block_n-key tiles streamed.  H200 sweep, S = 4k, whole
