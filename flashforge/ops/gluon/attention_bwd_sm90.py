@@ -14,6 +14,10 @@ reason, ops/gluon/attention_fwd_sm90.py):
       wait for S^T_t, dP^T_t; P^T_t, dS^T_t from them      overlaps dV, dK
       wait for dV, dK: tile t-1's slots are free
 
+  Past D = 128 the two float32 [keys, D] accumulators do not fit in registers, so a call
+  launches it twice (`PART` 1 then 2, `TileConfig.split_kv`): dV from S^T alone, then dK
+  from S^T and dP^T, one accumulator each, at one more K Q^T per tile (`_split_tiles`).
+
 - `attn_bwd_dq_sm90_kernel`: one warpgroup per 64 queries, Q and dO resident;
   walks the key tiles, K and V by TMA into separate rings (V's slot is free
   once dP is done, K's only after dQ += dS K).

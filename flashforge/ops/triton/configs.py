@@ -30,17 +30,17 @@ class TileConfig:
     # bwd_kv only: the dK/dV kernel also accumulates dQ (float32 atomics) and the dQ kernel
     # is skipped; ignored when deterministic=True.  Off until measured.
     fused_dq: bool = False
-    # bwd_kv only (portable kernel): dV and dK in two launches of the dK/dV kernel (PART 1, 2),
-    # each program holding one float32 [block_n, D] accumulator instead of two; costs one more
-    # q k^T product per tile.  For D = 256, where both accumulators of a 128-key tile would
-    # need 256 registers a thread.  Off until measured (benchmarks/tune/bwd256_sweep.py).
+    # bwd_kv only: dV and dK in two launches of the dK/dV kernel (PART 1, 2), each program
+    # holding one float32 [block_n, D] accumulator instead of two; costs one more q k^T product
+    # per tile.  For D = 256, where both accumulators would need 256 registers a thread: the
+    # portable kernel's and the Gluon kernel's (which requires it past D = 128) entries use it.
     split_kv: bool = False
     # forward only, 16-bit inputs: compute 1 = half, 2 = all of the interior tiles'
     # exponentials on the FMA pipes instead of the MUFU unit (common.exp2_split).  Off until measured.
     poly_exp2: int = 0
     # forward only, sm_90: run the Gluon kernel (ops/gluon/attention_fwd_sm90.py, asynchronous
     # wgmma: a tile's softmax overlaps the tensor cores) with block_m x block_n and num_warps,
-    # where the call is in its scope (dense 16-bit, D = Dv in {64, 128}, no score modifiers);
+    # where the call is in its scope (dense 16-bit, D = Dv in {64, 128, 256}, no score modifiers);
     # other calls with this config take the portable kernel with the same tiles
     gluon: bool = False
     # gluon only: serve calls with at least this many keys (the portable kernel below it)
