@@ -19,7 +19,7 @@ compiler puts a block-wide barrier before each copy into a slot both read),
 which measured slower (benchmarks/RESULTS.md v0.4.0).
 
 Scope (the launcher checks it; everything else takes the portable kernel):
-bf16/fp16, D = Dv in {64, 128}, dense [B, S, H, D] or packed (varlen) inputs
+bf16/fp16, D = Dv in {64, 128, 256}, dense [B, S, H, D] or packed (varlen) inputs
 with 16-byte aligned strides, GQA, no mask/bias, no dropout, softcap, ALiBi,
 window, RoPE, split or paged keys; causal with an integer diagonal offset (key j
 visible from query i iff j <= i + offset; packed: per sequence, optionally
