@@ -4,7 +4,11 @@ the float64 gradients.
 
 The question it answers: is the upcast still worth its cost?  The main job's bfloat16 fwd+bwd rows
 trail SDPA, which runs this kernel natively in bfloat16; the upcast buys accuracy.  Error is
-max |grad - grad64| / max |grad64| per tensor (dq, dk, dv); time is the median of 5 calls.
+max |grad - grad64| / max |grad64| per tensor (dq, dk, dv); time is the median of 5 calls.  A third
+error column is what the GPU kernels would give ("gpu"): the same products with their rounding
+points (P and dS rounded to bfloat16 before the products that take them, float32 accumulation,
+one rounding of each gradient), emulated in PyTorch, dense: one meaning for both devices asks the
+CPU path to be no less accurate than that.
 
     python benchmarks/profile/cpu_bf16_backward.py [--threads 1 2] [--seqlens 512 1024 2048]
 """
@@ -38,6 +42,23 @@ def _reference(q, k, v, do, causal):
     return torch.autograd.grad(s.softmax(-1) @ vd, (qd, kd, vd), do.double())
 
 
+def _gpu_rounding(q, k, v, do, causal):
+    """dq, dk, dv as the sm_90 / portable Triton kernels round them (module docstring): float32
+    scores and softmax, P (forward's P V and the backward's P^T dO) and dS in bfloat16 operands."""
+    S, scale = q.shape[2], q.shape[-1] ** -0.5
+    qf, kf, vf, dof = (x.float() for x in (q, k, v, do))
+    s = qf @ kf.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    p = (s - s.logsumexp(-1, keepdim=True)).exp()
+    pb = p.bfloat16().float()
+    o = (pb @ vf).bfloat16()
+    delta = (o.float() * dof).sum(-1, keepdim=True)
+    ds = (p * (dof @ vf.transpose(-1, -2) - delta)).bfloat16().float()
+    return (ds @ kf * scale).bfloat16(), (ds.transpose(-1, -2) @ qf * scale).bfloat16(), \
+        (pb.transpose(-1, -2) @ dof).bfloat16()
+
+
 def _errors(grads, ref):
     return [(g.double() - r).abs().max().item() / r.abs().max().item() for g, r in zip(grads, ref)]
 
@@ -49,7 +70,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     args = ap.parse_args()
     print(f"{'threads':>7} {'S':>5} {'causal':>6} {'native ms':>9} {'upcast ms':>9} {'upcast/native':>13}  "
-          f"error native (dq dk dv)      error upcast (dq dk dv)")
+          f"error native (dq dk dv)      error upcast (dq dk dv)      error gpu (dq dk dv)")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for S in args.seqlens:
@@ -69,8 +90,9 @@ def main() -> None:
                 ref = _reference(q, k, v, do, causal)
                 t_n, t_u = _median_ms(native), _median_ms(upcast)
                 e_n, e_u = _errors(native(), ref), _errors(upcast(), ref)
+                e_g = _errors(_gpu_rounding(q, k, v, do, causal), ref)
                 print(f"{threads:7d} {S:5d} {str(causal):>6} {t_n:9.1f} {t_u:9.1f} {t_u / t_n:13.2f}  "
-                      + " ".join(f"{e:.1e}" for e in e_n) + "      " + " ".join(f"{e:.1e}" for e in e_u), flush=True)
+                      + "      ".join(" ".join(f"{e:.1e}" for e in es) for es in (e_n, e_u, e_g)), flush=True)
 
 
 if __name__ == "__main__":
