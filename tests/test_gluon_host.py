@@ -126,3 +126,81 @@ def test_far_flags_cover_every_dkdv_program_row(packed):
     far = gluon_attention.far_flags(q, k, params, lse_lo)
     assert far.dtype == torch.int32 and far.shape == (B * Hkv,) and not far.any()
     assert gluon_attention.far_flags(q, k, params, None) is None
+
+
+# Why a call leaves the Gluon kernels: one list (scope_reason, forward_reason, bwd_call_reason),
+# which the launcher logs on "flashforge.dispatch" at DEBUG level
+@pytest.mark.parametrize("shape, dtype, kw, arch, says", [
+    ((2, 128, 4, 128), torch.bfloat16, dict(), (9, 0), None),
+    ((2, 128, 4, 256), torch.float16, dict(window_right=0), (9, 0), None),
+    ((2, 128, 4, 128), torch.bfloat16, dict(), (8, 0), "sm_80"),
+    ((2, 128, 4, 128), torch.float32, dict(), (9, 0), "float32"),
+    ((2, 128, 4, 96), torch.bfloat16, dict(), (9, 0), "D = 96"),
+    ((2, 32, 4, 64), torch.bfloat16, dict(), (9, 0), "fewer than 64 query rows"),
+    ((2, 128, 4, 64), torch.bfloat16, dict(window_left=64, window_right=0), (9, 0), "sliding window"),
+    ((2, 128, 4, 64), torch.bfloat16, dict(dropout_p=0.1), (9, 0), "dropout"),
+    ((2, 128, 4, 64), torch.bfloat16, dict(softcap=5.0), (9, 0), "softcap"),
+])
+def test_scope_reason_names_the_feature(shape, dtype, kw, arch, says):
+    q = torch.empty(shape, dtype=dtype)
+    reason = gluon_attention.scope_reason(q, q, q, None, _params(**kw), arch)
+    assert (reason is None) == (says is None) and (says is None or says in reason), reason
+    assert gluon_attention._scores_in_scope(q, q, q, None, _params(**kw), arch) == (says is None)
+
+
+def test_forward_reason_tiles_keys_and_copy_engine():
+    q = torch.empty(1, 256, 2, 64, dtype=torch.bfloat16)
+    good = TileConfig(64, 64, 4, 2, gluon=True)
+    assert gluon_attention.forward_reason(q, q, q, None, _params(), good, (9, 0)) is None
+    assert "one warp per 16 rows" in gluon_attention.forward_reason(q, q, q, None, _params(),
+                                                                    TileConfig(128, 64, 4, 2, gluon=True), (9, 0))
+    assert "min_keys" in gluon_attention.forward_reason(q, q, q, None, _params(),
+                                                        TileConfig(64, 64, 4, 2, gluon=True, min_keys=512), (9, 0))
+    odd = torch.empty(1 + 256 * 2 * 64, dtype=torch.bfloat16)[1:].view(1, 256, 2, 64)  # 2-byte aligned base
+    assert "copy engine" in gluon_attention.forward_reason(odd, q, q, None, _params(), good, (9, 0))
+
+
+def test_backward_reason_dtype_of_do_and_lse():
+    q = torch.empty(1, 128, 2, 64, dtype=torch.bfloat16)
+    lse = torch.empty(1, 2, 128)
+    assert gluon_attention.bwd_call_reason(q, q, q, q, lse, None, _params(), (9, 0)) is None
+    assert "dO in float32" in gluon_attention.bwd_call_reason(q, q, q, q.float(), lse, None, _params(), (9, 0))
+    assert "lse" in gluon_attention.bwd_call_reason(q, q, q, q, lse.transpose(1, 2).contiguous().transpose(1, 2),
+                                                    None, _params(), (9, 0))
+
+
+def test_launcher_logs_each_reason_once(caplog, monkeypatch):
+    """The backward's passes on sm_90 tensors (CPU tensors, sm_90 asked for): in scope, the table's
+    Gluon tiles; with a window, the portable kernels and the reason, logged once however often."""
+    from flashforge.ops.triton import attention as launchers
+    from flashforge.ops.triton import configs
+    monkeypatch.setattr(launchers, "_explained", set())
+    q = torch.empty(1, 128, 2, 128, dtype=torch.bfloat16)
+    lse = torch.empty(1, 2, 128)
+    cfg_kv = configs.get_config("bwd_kv", 128, 2, False, arch=(9, 0))
+    cfg_q = configs.get_config("bwd_q", 128, 2, False, arch=(9, 0))
+    with caplog.at_level("DEBUG", logger="flashforge.dispatch"):
+        g_kv, g_q = launchers._gluon_backward(q, q, q, q, lse, None, _params(), cfg_kv, cfg_q, (9, 0), None)
+        assert g_kv == configs.gluon_config(128, 2, False, (9, 0), "bwd_kv")
+        assert g_q == configs.gluon_config(128, 2, False, (9, 0), "bwd_q")
+        assert not caplog.records
+        for _ in range(3):
+            assert launchers._gluon_backward(q, q, q, q, lse, None, _params(window_left=8, window_right=0), cfg_kv,
+                                             cfg_q, (9, 0), None) == (None, None)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == ["backward bwd_kv: portable kernel: a sliding window (not in the Gluon kernels)",
+                    "backward bwd_q: portable kernel: a sliding window (not in the Gluon kernels)"], msgs
+
+
+def test_interpreted_call_says_so(caplog, monkeypatch):
+    import flashforge
+    from flashforge.ops.triton import attention as launchers
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the kernels are compiled, not interpreted")
+    monkeypatch.setattr(launchers, "_explained", set())
+    q = torch.randn(1, 16, 1, 16, requires_grad=True)
+    with caplog.at_level("DEBUG", logger="flashforge.dispatch"):
+        flashforge.attention(q, q, q, backend="triton").sum().backward()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert "forward: portable kernel: the Triton interpreter (TRITON_INTERPRET=1)" in msgs
+    assert "backward: portable kernels: the Triton interpreter (TRITON_INTERPRET=1)" in msgs

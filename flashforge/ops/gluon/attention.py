@@ -51,33 +51,65 @@ def _kernel():
     return attn_fwd_sm90_kernel, gl, TensorDescriptor
 
 
-def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> bool:
-    """sm_90, bf16/fp16 with D = Dv in {64, 128, 256}, dense or packed (varlen), plain or causal
-    scores (an integer offset, or bottom-right aligned): no mask, bias, dropout, softcap, ALiBi,
-    window, RoPE, KV cache or split keys; at least 64 query rows (the longest sequence's, when
-    packed: decoding-sized query blocks take the portable kernel, which packs GQA groups; and
-    with Sq = 1, an integer Triton specializes, triton 3.6 fails to compile the dK/dV kernel)."""
+def scope_reason(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> str | None:
+    """Why the Gluon kernels cannot compute this call's scores, or None where they can: sm_90,
+    bf16/fp16 with D = Dv in {64, 128, 256}, dense or packed (varlen), plain or causal scores (an
+    integer offset, or bottom-right aligned): no mask, bias, dropout, softcap, ALiBi, window, RoPE,
+    KV cache or split keys; at least 64 query rows (the longest sequence's, when packed:
+    decoding-sized query blocks take the portable kernel, which packs GQA groups; and with Sq = 1,
+    an integer Triton specializes, triton 3.6 fails to compile the dK/dV kernel).  The one list of
+    what sends a call to the portable kernels (`in_scope`, `bwd_call_in_scope`; the launcher logs
+    the reason, ops/triton/attention.py `explain`)."""
     p = params
-    if tuple(arch) != (9, 0) or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
+    if tuple(arch) != (9, 0):
+        return f"sm_{arch[0]}{arch[1]}: the Gluon kernels are for sm_90"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{str(q.dtype)[6:]} inputs (Gluon: bfloat16, float16)"
     if q.shape[3] not in _HEAD_DIMS or v.shape[3] != q.shape[3]:
-        return False
+        return f"head dims D = {q.shape[3]}, Dv = {v.shape[3]} (Gluon: D = Dv in {_HEAD_DIMS})"
     if (p.max_seqlen_q if p.is_varlen else q.shape[1]) < 64:
-        return False
-    return not (mask is not None or p.seqlens_k is not None or p.block_table is not None
-                or p.num_splits > 1 or p.q_rope is not None or p.softcap > 0 or p.alibi_slopes is not None
-                or p.dropout_p > 0 or p.offset_tensor is not None
-                or p.window_left >= 0 or p.window_right > 0 or not p.scale > 0)
+        return "fewer than 64 query rows (the portable kernel packs GQA groups into a tile)"
+    if not (mask is not None or p.seqlens_k is not None or p.block_table is not None or p.num_splits > 1
+            or p.q_rope is not None or p.softcap > 0 or p.alibi_slopes is not None or p.dropout_p > 0
+            or p.offset_tensor is not None or p.window_left >= 0 or p.window_right > 0 or not p.scale > 0):
+        return None  # (the common case: one test, no list built on a training step's host time)
+    for cond, what in ((mask is not None, "a mask or bias"), (p.seqlens_k is not None, "a KV cache"),
+                       (p.block_table is not None, "a paged KV cache"), (p.num_splits > 1, "split keys"),
+                       (p.q_rope is not None, "RoPE inside the kernel"), (p.softcap > 0, "softcap"),
+                       (p.alibi_slopes is not None, "ALiBi"), (p.dropout_p > 0, "dropout"),
+                       (p.offset_tensor is not None, "per-sequence causal offsets"),
+                       (p.window_left >= 0 or p.window_right > 0, "a sliding window"),
+                       (not p.scale > 0, "a scale <= 0")):
+        if cond:
+            return what + " (not in the Gluon kernels)"
+    return None
+
+
+def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> bool:
+    return scope_reason(q, k, v, mask, params, arch) is None
+
+
+def forward_reason(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> str | None:
+    """Why the Gluon forward does not compute this call with tiles `cfg`, or None where it does:
+    `scope_reason`, tensors the copy engine can read, tiles of one warp per 16 query rows, and at
+    least `cfg.min_keys` keys."""
+    reason = scope_reason(q, k, v, mask, params, arch)
+    if reason is not None:
+        return reason
+    if (params.max_seqlen_k if params.is_varlen else k.shape[1]) < cfg.min_keys:
+        return f"fewer than the tiles' min_keys = {cfg.min_keys} keys"
+    if cfg.block_m != 16 * cfg.num_warps:
+        return f"tiles {cfg.block_m} x {cfg.block_n} with {cfg.num_warps} warps (Gluon: one warp per 16 rows)"
+    if _kernel() is None:
+        return "this Triton has no Gluon for Hopper"
+    if not all(tma_ready(t) for t in (q, k, v)):
+        return "q, k or v not readable by the copy engine (TMA: 16-byte aligned base and strides, unit last stride)"
+    return None
 
 
 def in_scope(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> bool:
-    """Whether the Gluon forward computes this call: `_scores_in_scope`, tensors the copy engine
-    can read, tiles of one warp per 16 query rows, and at least `cfg.min_keys` keys."""
-    if not _scores_in_scope(q, k, v, mask, params, arch):
-        return False
-    if (params.max_seqlen_k if params.is_varlen else k.shape[1]) < cfg.min_keys or cfg.block_m != 16 * cfg.num_warps:
-        return False
-    return _kernel() is not None and all(tma_ready(t) for t in (q, k, v))
+    """Whether the Gluon forward computes this call (`forward_reason`)."""
+    return forward_reason(q, k, v, mask, params, cfg, arch) is None
 
 
 def _batch(q, params: AttnParams) -> int:
@@ -133,15 +165,27 @@ def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None)
     return o, lse
 
 
+def bwd_call_reason(q, k, v, do, lse, mask, params: AttnParams, arch: tuple[int, int], lse_lo=None) -> str | None:
+    """Why the Gluon backward kernels may not compute this call, or None where they may (each then
+    also needs `bwd_tiles_fit`): the forward's scope, dO in q's dtype and readable by the copy
+    engine, a contiguous lse (and lse_lo)."""
+    reason = scope_reason(q, k, v, mask, params, arch)
+    if reason is not None:
+        return reason
+    if do.dtype != q.dtype:
+        return f"dO in {str(do.dtype)[6:]}, q in {str(q.dtype)[6:]}"
+    if not lse.is_contiguous() or (lse_lo is not None and not lse_lo.is_contiguous()):
+        return "a non-contiguous lse"
+    if _bwd_kernels() is None or _kernel() is None:
+        return "this Triton has no Gluon for Hopper"
+    if not all(tma_ready(t) for t in (q, k, v, do)):
+        return "q, k, v or dO not readable by the copy engine (TMA: 16-byte aligned base and strides, unit last stride)"
+    return None
+
+
 def bwd_call_in_scope(q, k, v, do, lse, mask, params: AttnParams, arch: tuple[int, int], lse_lo=None) -> bool:
-    """Whether the Gluon backward kernels may compute this call (each then also needs
-    `bwd_tiles_fit`): the forward's scope, dO in q's dtype and readable by the copy engine, a
-    contiguous lse (and lse_lo)."""
-    if not _scores_in_scope(q, k, v, mask, params, arch) or not lse.is_contiguous() or do.dtype != q.dtype:
-        return False
-    if lse_lo is not None and not lse_lo.is_contiguous():
-        return False
-    return _bwd_kernels() is not None and _kernel() is not None and all(tma_ready(t) for t in (q, k, v, do))
+    """Whether the Gluon backward kernels may compute this call (`bwd_call_reason`)."""
+    return bwd_call_reason(q, k, v, do, lse, mask, params, arch, lse_lo) is None
 
 
 def bwd_tiles_fit(kind: str, cfg, head_dim: int) -> bool:

@@ -7,6 +7,7 @@ is a 4-D view whose size-1 dims broadcast (passed with stride 0).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Optional
 
@@ -23,6 +24,30 @@ from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bw
 from .attention_fwd import attn_fwd_combine_kernel, attn_fwd_kernel
 from .configs import generation, get_config, gluon_config, head_dim_block, with_mask
 from .rope import rope_turns
+
+
+# Why a call takes a slower kernel than the fastest one for its device, in one place: at DEBUG
+# level each distinct reason is logged once per pass, e.g.
+#   logging.getLogger("flashforge.dispatch").setLevel(logging.DEBUG)  (and a handler)
+# "forward: portable kernel: a sliding window (not in the Gluon kernels)".  The reasons are
+# `gluon.attention.scope_reason` / `forward_reason` / `bwd_call_reason` and the table's.
+dispatch_log = logging.getLogger("flashforge.dispatch")
+_explained: set = set()
+
+
+def explain(pass_: str, kernel: str, reason, *args) -> None:
+    """Log (DEBUG, once per distinct message) that `pass_` runs `kernel` because of `reason`: a
+    string, or a function of `args` that gives it (called only when the log is on)."""
+    if dispatch_log.isEnabledFor(logging.DEBUG):
+        msg = f"{pass_}: {kernel}: {reason(*args) if callable(reason) else reason}"
+        if msg not in _explained:
+            _explained.add(msg)
+            dispatch_log.debug(msg)
+
+
+def _no_gluon_tiles(D: int, q, arch) -> str:
+    return (f"the tile table has no Gluon entry for D = {D}, {str(q.dtype)[6:]} on sm_{arch[0]}{arch[1]}, or its "
+            f"portable entry is overridden without gluon=True")
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,8 +183,16 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
     cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0, arch=_arch(q))
     if not interpret:
         g_cfg = cfg if cfg.gluon else gluon_config(max(D, Dv), q.element_size(), params.window_right >= 0, _arch(q))
-        if g_cfg is not None and gluon_attention.in_scope(q, k, v, mask, params, g_cfg, _arch(q)):
-            return gluon_attention.attention_forward(q, k, v, params, g_cfg, _longest_first(params, None), lse_lo)
+        if g_cfg is None:
+            explain("forward", "portable kernel", _no_gluon_tiles, max(D, Dv), q, _arch(q))
+        else:
+            why = gluon_attention.forward_reason(q, k, v, mask, params, g_cfg, _arch(q))
+            if why is None:
+                return gluon_attention.attention_forward(q, k, v, params, g_cfg, _longest_first(params, None),
+                                                         lse_lo)
+            explain("forward", "portable kernel", why)
+    else:
+        explain("forward", "portable kernel", "the Triton interpreter (TRITON_INTERPRET=1)")
     group = Hq // Hkv
     if params.seqlens_k is not None and mask is None:
         # a KV-cache call: its own tiles where its rows (x the group, packed) fit one of them
@@ -236,12 +269,20 @@ def _gluon_backward(q, k, v, do, lse, mask, params: AttnParams, cfg_kv, cfg_q, a
     D, elem = max(q.shape[3], v.shape[3]), q.element_size()
     g_kv = cfg_kv if cfg_kv.gluon else gluon_config(D, elem, False, arch, "bwd_kv")
     g_q = cfg_q if cfg_q.gluon else gluon_config(D, elem, False, arch, "bwd_q")
-    if g_kv is None and g_q is None:
-        return None, None
-    if not gluon_attention.bwd_call_in_scope(q, k, v, do, lse, mask, params, arch, lse_lo):
-        return None, None
-    return (g_kv if g_kv is not None and gluon_attention.bwd_tiles_fit("bwd_kv", g_kv, D) else None,
-            g_q if g_q is not None and gluon_attention.bwd_tiles_fit("bwd_q", g_q, D) else None)
+    why = None if g_kv is None and g_q is None else \
+        gluon_attention.bwd_call_reason(q, k, v, do, lse, mask, params, arch, lse_lo)
+    out = []
+    for kind, g in (("bwd_kv", g_kv), ("bwd_q", g_q)):
+        if g is None:
+            explain("backward " + kind, "portable kernel", _no_gluon_tiles, D, q, arch)
+        elif why is not None:
+            explain("backward " + kind, "portable kernel", why)
+        elif not gluon_attention.bwd_tiles_fit(kind, g, D):
+            explain("backward " + kind, "portable kernel", lambda g: f"its Gluon tiles {g} do not fit D = {D} "
+                    "(one warp per 16 resident rows; past D = 128 dK/dV needs split_kv)", g)
+            g = None
+        out.append(g if why is None else None)
+    return tuple(out)
 
 
 def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dmask: bool, lse_lo=None):
@@ -256,8 +297,11 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     if mask is not None:
         cfg_kv, cfg_q = with_mask("bwd_kv", cfg_kv), with_mask("bwd_q", cfg_q)
     BD = _padded(D, Dv)
-    g_kv, g_q = (None, None) if interpret else _gluon_backward(q, k, v, do, lse, mask, params, cfg_kv, cfg_q, arch,
-                                                                                 lse_lo)
+    if interpret:
+        g_kv, g_q = None, None
+        explain("backward", "portable kernels", "the Triton interpreter (TRITON_INTERPRET=1)")
+    else:
+        g_kv, g_q = _gluon_backward(q, k, v, do, lse, mask, params, cfg_kv, cfg_q, arch, lse_lo)
 
     offsets = params.offset_tensor if params.offset_tensor is not None else q  # (q: a placeholder pointer)
     order = _longest_first(params, offsets)
