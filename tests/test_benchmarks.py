@@ -606,3 +606,15 @@ def test_graph_table_shows_the_read_floor_and_ratio():
     text = format_graph_table([row])
     assert "read" in text.splitlines()[1] and "ours/read" in text.splitlines()[1]
     assert text.splitlines()[-1].split()[-2:] == ["0.92", "0.50"]
+
+
+def test_launcher_host_cpu_runs_the_sm90_launchers():
+    """benchmarks/profile/launcher_host_cpu.py: the forward and backward launch code for sm_90
+    runs without a GPU (kernels recorded) and reports its Gluon launches."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "benchmarks/profile/launcher_host_cpu.py", "--steps", "2", "--S", "256"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if "us a step" in line]
+    assert len(lines) == 2 and all("attn_bwd_dkdv_sm90_kernel" in line and "attn_fwd_sm90_kernel" in line
+                                   for line in lines), out.stdout

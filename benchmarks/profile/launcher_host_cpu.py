@@ -52,7 +52,7 @@ def main() -> None:
             o, lse = L.attention_forward(q, q, q, None, p, lse_lo=lse_lo)
             L.attention_backward(o, None, q, q, q, None, o, lse, p, False, lse_lo=lse_lo)
 
-        for _ in range(50):
+        for _ in range(min(50, args.steps)):
             step()
         times = []
         for _ in range(7):
