@@ -122,13 +122,8 @@ D256_BWD_VARIANTS = {
 }
 
 
-@pytest.fixture(params=list(D256_BWD_VARIANTS), ids=list(D256_BWD_VARIANTS))
-def gluon_bwd_calls_256(request, monkeypatch):
-    """{kind: calls} of the Gluon backward launchers, and the tiles asked for (None: the table's)."""
-    pair = D256_BWD_VARIANTS[request.param]
-    if pair is not None:
-        configs.set_config("bwd_kv", 256, 2, pair[0])
-        configs.set_config("bwd_q", 256, 2, pair[1])
+def _bwd_spies(monkeypatch):
+    """{kind: [q's shape per call]} of the Gluon backward launchers, recorded from now on."""
     calls = {"bwd_kv": [], "bwd_q": []}
     for kind, name in (("bwd_kv", "attention_bwd_dkdv"), ("bwd_q", "attention_bwd_dq")):
         real = getattr(gluon_attention, name)
@@ -138,6 +133,17 @@ def gluon_bwd_calls_256(request, monkeypatch):
             return real(q, *args, **kw)
 
         monkeypatch.setattr(gluon_attention, name, spy)
+    return calls
+
+
+@pytest.fixture(params=list(D256_BWD_VARIANTS), ids=list(D256_BWD_VARIANTS))
+def gluon_bwd_calls_256(request, monkeypatch):
+    """{kind: calls} of the Gluon backward launchers, and the tiles asked for (None: the table's)."""
+    pair = D256_BWD_VARIANTS[request.param]
+    if pair is not None:
+        configs.set_config("bwd_kv", 256, 2, pair[0])
+        configs.set_config("bwd_q", 256, 2, pair[1])
+    calls = _bwd_spies(monkeypatch)
     yield calls, pair
     configs.set_config("bwd_kv", 256, 2, None)
     configs.set_config("bwd_q", 256, 2, None)
@@ -194,15 +200,7 @@ def gluon_bwd_calls(request, monkeypatch):
         for bucket in (64, 128):
             configs.set_config("bwd_kv", bucket, 2, pair[0])
             configs.set_config("bwd_q", bucket, 2, pair[1])
-    calls = {"bwd_kv": [], "bwd_q": []}
-    for kind, name in (("bwd_kv", "attention_bwd_dkdv"), ("bwd_q", "attention_bwd_dq")):
-        real = getattr(gluon_attention, name)
-
-        def spy(q, *args, real=real, kind=kind, **kw):
-            calls[kind].append(tuple(q.shape))
-            return real(q, *args, **kw)
-
-        monkeypatch.setattr(gluon_attention, name, spy)
+    calls = _bwd_spies(monkeypatch)
     yield calls
     for bucket in (64, 128):
         configs.set_config("bwd_kv", bucket, 2, None)

@@ -69,20 +69,26 @@ def scope_reason(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> st
         return f"head dims D = {q.shape[3]}, Dv = {v.shape[3]} (Gluon: D = Dv in {_HEAD_DIMS})"
     if (p.max_seqlen_q if p.is_varlen else q.shape[1]) < 64:
         return "fewer than 64 query rows (the portable kernel packs GQA groups into a tile)"
-    if not (mask is not None or p.seqlens_k is not None or p.block_table is not None or p.num_splits > 1
-            or p.q_rope is not None or p.softcap > 0 or p.alibi_slopes is not None or p.dropout_p > 0
-            or p.offset_tensor is not None or p.window_left >= 0 or p.window_right > 0 or not p.scale > 0):
-        return None  # (the common case: one test, no list built on a training step's host time)
-    for cond, what in ((mask is not None, "a mask or bias"), (p.seqlens_k is not None, "a KV cache"),
-                       (p.block_table is not None, "a paged KV cache"), (p.num_splits > 1, "split keys"),
-                       (p.q_rope is not None, "RoPE inside the kernel"), (p.softcap > 0, "softcap"),
-                       (p.alibi_slopes is not None, "ALiBi"), (p.dropout_p > 0, "dropout"),
-                       (p.offset_tensor is not None, "per-sequence causal offsets"),
-                       (p.window_left >= 0 or p.window_right > 0, "a sliding window"),
-                       (not p.scale > 0, "a scale <= 0")):
-        if cond:
+    for what, present in _NOT_IN_GLUON:
+        if present(mask, p):
             return what + " (not in the Gluon kernels)"
     return None
+
+
+# the score features the Gluon kernels do not have: (what, present(mask, params))
+_NOT_IN_GLUON = (
+    ("a mask or bias", lambda mask, p: mask is not None),
+    ("a KV cache", lambda mask, p: p.seqlens_k is not None),
+    ("a paged KV cache", lambda mask, p: p.block_table is not None),
+    ("split keys", lambda mask, p: p.num_splits > 1),
+    ("RoPE inside the kernel", lambda mask, p: p.q_rope is not None),
+    ("softcap", lambda mask, p: p.softcap > 0),
+    ("ALiBi", lambda mask, p: p.alibi_slopes is not None),
+    ("dropout", lambda mask, p: p.dropout_p > 0),
+    ("per-sequence causal offsets", lambda mask, p: p.offset_tensor is not None),
+    ("a sliding window", lambda mask, p: p.window_left >= 0 or p.window_right > 0),
+    ("a scale <= 0", lambda mask, p: not p.scale > 0),
+)
 
 
 def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> bool:

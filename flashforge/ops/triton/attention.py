@@ -277,11 +277,12 @@ def _gluon_backward(q, k, v, do, lse, mask, params: AttnParams, cfg_kv, cfg_q, a
             explain("backward " + kind, "portable kernel", _no_gluon_tiles, D, q, arch)
         elif why is not None:
             explain("backward " + kind, "portable kernel", why)
+            g = None
         elif not gluon_attention.bwd_tiles_fit(kind, g, D):
             explain("backward " + kind, "portable kernel", lambda g: f"its Gluon tiles {g} do not fit D = {D} "
                     "(one warp per 16 resident rows; past D = 128 dK/dV needs split_kv)", g)
             g = None
-        out.append(g if why is None else None)
+        out.append(g)
     return tuple(out)
 
 
