@@ -15,8 +15,8 @@ routes to the kernel exactly the calls it computes as SPEC section 2 defines the
   upcast: `benchmarks/profile/cpu_bf16_backward.py`), so gradients stay upcast, as our GPU
   kernels accumulate them in float32 (the same products with the GPU kernels' rounding points,
   emulated there, give 1.9e-3-3.8e-3: the upcast's accuracy, not the native kernel's).  The
-  exception, short bfloat16 forward calls (`NATIVE_MAX_KEYS`), rounds P to bfloat16 before P·V, as flash-attn and our Triton kernels
-  do.  float64 (gradcheck) stays on the chunked path;
+  exception, short bfloat16 forward calls (`NATIVE_MAX_KEYS`), rounds P to bfloat16 before
+  P·V, as flash-attn and our Triton kernels do.  float64 (gradcheck) stays on the chunked path;
 * a dense call (no packed batch, KV cache or in-kernel RoPE), no mask, no dropout, no
   softcap, no ALiBi, and ``D == Dv``.  Grouped-query attention is run with the kernel's
   query and kv heads paired one to one (only recent kernels know GQA; older ones index K by
