@@ -59,7 +59,10 @@ def _params(**kw):
     (dict(window_right=0, offset_bottom_right=True), True),
     (dict(dropout_p=0.1), False),
     (dict(softcap=3.0), False),
-    (dict(window_left=64, window_right=0), False),
+    (dict(window_left=64, window_right=0), True),
+    (dict(window_left=64), True),
+    (dict(window_right=30), True),
+    (dict(alibi_slopes=torch.ones(4)), False),
 ])
 def test_scope_of_dense_calls(kw, ok):
     q = torch.empty(2, 128, 4, 128, dtype=torch.bfloat16)
@@ -95,6 +98,31 @@ def test_scope_of_packed_calls_reads_the_longest_sequence():
     packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_k=500)
     assert gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=500, **packed), (9, 0))
     assert not gluon_attention._scores_in_scope(q, q, q, None, _params(max_seqlen_q=40, **packed), (9, 0))
+
+
+@pytest.mark.parametrize("left, right, offset, span, causal", [
+    (-1, -1, 5, 0, False), (-1, 0, 5, 0, True), (100, 0, 5, 100, True), (100, -1, 5, 100, False),
+    (64, 31, 36, 95, True), (-1, 70, 75, 0, True)])
+def test_window_folds_into_offset_and_span(left, right, offset, span, causal):
+    """Key j visible from query i iff j <= i + offset (CAUSAL) and j >= i + offset - span (HAS_WL),
+    the kernels' form of i + 5 - left <= j <= i + 5 + right."""
+    q = torch.empty(1, 100, 2, 64, dtype=torch.bfloat16)
+    p = _params(window_left=left, window_right=right, offset=5)
+    args = gluon_attention._sequences(q, q, p, None, torch.empty(1, 2, 100))
+    assert args[-2] == offset
+    assert gluon_attention._window(p) == dict(span=span, CAUSAL=causal, HAS_WL=left >= 0)
+    i, j = torch.arange(100)[:, None], torch.arange(100)[None, :]
+    want = torch.ones(100, 100, dtype=torch.bool)
+    if left >= 0:
+        want &= j >= i + 5 - left
+    if right >= 0:
+        want &= j <= i + 5 + right
+    got = torch.ones(100, 100, dtype=torch.bool)
+    if causal:
+        got &= j <= i + offset
+    if left >= 0:
+        got &= j >= i + offset - span
+    assert torch.equal(got, want)
 
 
 def test_dense_bottom_right_is_folded_into_the_offset():
@@ -137,7 +165,8 @@ def test_far_flags_cover_every_dkdv_program_row(packed):
     ((2, 128, 4, 128), torch.float32, dict(), (9, 0), "float32"),
     ((2, 128, 4, 96), torch.bfloat16, dict(), (9, 0), "D = 96"),
     ((2, 32, 4, 64), torch.bfloat16, dict(), (9, 0), "fewer than 64 query rows"),
-    ((2, 128, 4, 64), torch.bfloat16, dict(window_left=64, window_right=0), (9, 0), "sliding window"),
+    ((2, 128, 4, 64), torch.bfloat16, dict(window_left=64, window_right=0), (9, 0), None),
+    ((2, 128, 4, 64), torch.bfloat16, dict(alibi_slopes=torch.ones(4)), (9, 0), "ALiBi"),
     ((2, 128, 4, 64), torch.bfloat16, dict(dropout_p=0.1), (9, 0), "dropout"),
     ((2, 128, 4, 64), torch.bfloat16, dict(softcap=5.0), (9, 0), "softcap"),
 ])
@@ -171,7 +200,7 @@ def test_backward_reason_dtype_of_do_and_lse():
 
 def test_launcher_logs_each_reason_once(caplog, monkeypatch):
     """The backward's passes on sm_90 tensors (CPU tensors, sm_90 asked for): in scope, the table's
-    Gluon tiles; with a window, the portable kernels and the reason, logged once however often."""
+    Gluon tiles; with softcap, the portable kernels and the reason, logged once however often."""
     from flashforge.ops.triton import attention as launchers
     from flashforge.ops.triton import configs
     monkeypatch.setattr(launchers, "_explained", set())
@@ -185,11 +214,11 @@ def test_launcher_logs_each_reason_once(caplog, monkeypatch):
         assert g_q == configs.gluon_config(128, 2, False, (9, 0), "bwd_q")
         assert not caplog.records
         for _ in range(3):
-            assert launchers._gluon_backward(q, q, q, q, lse, None, _params(window_left=8, window_right=0), cfg_kv,
+            assert launchers._gluon_backward(q, q, q, q, lse, None, _params(softcap=5.0), cfg_kv,
                                              cfg_q, (9, 0), None) == (None, None)
     msgs = [r.getMessage() for r in caplog.records]
-    assert msgs == ["backward bwd_kv: portable kernel: a sliding window (not in the Gluon kernels)",
-                    "backward bwd_q: portable kernel: a sliding window (not in the Gluon kernels)"], msgs
+    assert msgs == ["backward bwd_kv: portable kernel: softcap (not in the Gluon kernels)",
+                    "backward bwd_q: portable kernel: softcap (not in the Gluon kernels)"], msgs
 
 
 def test_interpreted_call_says_so(caplog, monkeypatch):

@@ -65,6 +65,34 @@ def test_against_reference(c, dtype, gluon_calls):
     assert gluon_calls, "the Gluon forward was not used"
 
 
+# Sliding windows: a query block visits only the key tiles of its band (and a key block, in the
+# dK/dV kernel, only the query tiles of its band), masking the tiles its edges cross; the right
+# side rides on the causal offset.  Windows of one key, wider than the sequence, right-only,
+# both sides, bottom-right offsets, and rows whose band holds no key (lse = -inf, o = 0).
+WINDOW_CASES = [
+    case("S1000-D128-causal-window100-gqa4/2", BF16, B=2, Sq=1000, Sk=1000, Hq=4, Hkv=2, D=128, causal=True,
+         window=(100, -1)),
+    case("S777-D64-left-only", F16, B=1, Sq=777, Sk=777, Hq=2, Hkv=2, D=64, window=(90, -1)),
+    case("S640-D128-both-sides", BF16, B=1, Sq=640, Sk=640, Hq=2, Hkv=1, D=128, window=(64, 31)),
+    case("S515-D64-right-only", F16, B=1, Sq=515, Sk=515, Hq=2, Hkv=2, D=64, window=(-1, 70)),
+    case("Sq300-Sk1000-bottom-right-window", F16, B=2, Sq=300, Sk=1000, Hq=2, Hkv=1, D=64, causal=True,
+         causal_offset=700, window=(200, -1)),
+    case("Sq700-Sk200-window-empty-rows", BF16, B=1, Sq=700, Sk=200, Hq=2, Hkv=2, D=128, causal_offset=-300,
+         window=(20, 5)),
+    case("S515-D64-window-of-one", BF16, B=1, Sq=515, Sk=515, Hq=2, Hkv=2, D=64, causal=True, window=(1, -1)),
+    case("Sq300-Sk333-window-wider-than-keys", F16, B=1, Sq=300, Sk=333, Hq=2, Hkv=2, D=128, window=(5000, 4000)),
+    case("S333-D256-causal-window77", BF16, B=1, Sq=333, Sk=333, Hq=2, Hkv=2, D=256, causal=True, window=(77, -1)),
+    case("sharp-softmax-window", F16, B=1, Sq=384, Sk=640, Hq=2, Hkv=2, D=128, input_scale=4.0, window=(150, 20)),
+]
+
+
+@pytest.mark.parametrize("c, dtype", WINDOW_CASES)
+def test_window_against_reference(c, dtype, gluon_calls):
+    """The forward with the fixture's tiles (D = 256: the table's), the table's backward."""
+    check_case(c, "triton", device="cuda", dtype=dtype)
+    assert gluon_calls, "the Gluon forward was not used"
+
+
 # D = 256: the Gluon forward with the table's tiles and the variants a sweep may pick (one or
 # two warpgroups, 32- or 64-key tiles, a one-slot V ring), the table's backward on its o and lse
 D256_VARIANTS = {"table": None, "64x32": (64, 32, 4, 2), "64x64-v1": (64, 64, 4, 2, 1), "128x32-s3": (128, 32, 8, 3),
@@ -158,8 +186,10 @@ def test_d256_backward_against_reference(c, dtype, gluon_bwd_calls_256):
         assert bool(calls[kind]) == asked, f"Gluon {kind} calls {calls[kind]}, wanted: {asked}"
 
 
-@pytest.mark.parametrize("kw", [dict(softcap=5.0), dict(window=(64, -1), causal=True), dict(dropout_p=0.1, seed=3)],
-                         ids=["softcap", "window", "dropout"])
+OUT_OF_SCOPE = [dict(softcap=5.0), dict(causal=True, causal_offset=torch.tensor([3])), dict(dropout_p=0.1, seed=3)]
+
+
+@pytest.mark.parametrize("kw", OUT_OF_SCOPE, ids=["softcap", "per-batch-offsets", "dropout"])
 def test_out_of_scope_takes_portable_kernel(kw, gluon_calls):
     q, k, v = (torch.randn(1, 256, 2, 64, device="cuda", dtype=BF16) for _ in range(3))
     flashforge.attention(q, k, v, backend="triton", **kw)
@@ -227,9 +257,28 @@ def test_backward_against_reference(c, dtype, gluon_bwd_calls):
             assert gluon_bwd_calls[kind], f"the Gluon {kind} kernel was not used"
 
 
+@pytest.mark.parametrize("c, dtype", [p for p in WINDOW_CASES if p.values[0].D <= 128])
+def test_window_backward_against_reference(c, dtype, gluon_bwd_calls):
+    check_case(c, "triton", device="cuda", dtype=dtype)
+    for kind in ("bwd_kv", "bwd_q"):
+        if configs.gluon_config(c.D, 2, False, (9, 0), kind) is not None:
+            assert gluon_bwd_calls[kind], f"the Gluon {kind} kernel was not used"
+
+
+@pytest.mark.parametrize("c, dtype", [p for p in WINDOW_CASES if p.values[0].D == 256] + [
+    case("Sq200-Sk456-D256-both-sides", F16, B=2, Sq=200, Sk=456, Hq=2, Hkv=1, D=256, causal_offset=100,
+         window=(90, 45))])
+def test_d256_window_backward_against_reference(c, dtype, gluon_bwd_calls_256):
+    calls, pair = gluon_bwd_calls_256
+    check_case(c, "triton", device="cuda", dtype=dtype)
+    for i, kind in enumerate(("bwd_kv", "bwd_q")):
+        asked = pair[i].gluon if pair is not None else configs.gluon_config(256, 2, False, (9, 0), kind) is not None
+        assert bool(calls[kind]) == asked, f"Gluon {kind} calls {calls[kind]}, wanted: {asked}"
+
+
 def test_backward_out_of_scope_takes_portable_kernels(gluon_bwd_calls):
     q, k, v = (torch.randn(1, 256, 2, 64, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3))
-    for kw in (dict(softcap=5.0), dict(window=(64, -1), causal=True), dict(dropout_p=0.1, seed=3)):
+    for kw in OUT_OF_SCOPE:
         flashforge.attention(q, k, v, backend="triton", **kw).sum().backward()
     assert not gluon_bwd_calls["bwd_kv"] and not gluon_bwd_calls["bwd_q"]
 

@@ -191,6 +191,10 @@ def record(quick: bool):
     run()
     run(window_right=0)
     run(D=256, dtype=torch.float16)  # the table's D = 256 (Gluon on sm_90; dV and dK in two launches)
+    # sliding windows (Gluon on sm_90: HAS_WL, the right side folded into the offset)
+    run(D=128, window_left=40, window_right=0)
+    run(D=64, window_left=33, window_right=-1, dtype=torch.float16)
+    run(D=256, window_left=50, window_right=16)
     for D in (64, 128):  # without lse_lo (the backward kernels' HAS_LO=False variants)
         run(D=D, window_right=0, lo=False)
     run(D=128, window_right=0, dropout_p=0.1, seed=3)
@@ -235,7 +239,8 @@ def record(quick: bool):
     # packed (varlen) batches: the table's Gluon kernels through ragged descriptors on sm_90
     cu = torch.tensor([0, 150, 256], dtype=torch.int32)
     for D in (64, 128, 256):
-        for causal in (dict(), dict(window_right=0, offset_bottom_right=True)):
+        for causal in (dict(), dict(window_right=0, offset_bottom_right=True),
+                       dict(window_left=70, window_right=0, offset_bottom_right=True)):
             run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
                 **causal)
     run(mask=torch.randn(2, 1, 128, 128), softcap=5.0)

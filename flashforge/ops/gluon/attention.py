@@ -53,9 +53,9 @@ def _kernel():
 
 def scope_reason(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> str | None:
     """Why the Gluon kernels cannot compute this call's scores, or None where they can: sm_90,
-    bf16/fp16 with D = Dv in {64, 128, 256}, dense or packed (varlen), plain or causal scores (an
-    integer offset, or bottom-right aligned): no mask, bias, dropout, softcap, ALiBi, window, RoPE,
-    KV cache or split keys; at least 64 query rows (the longest sequence's, when packed:
+    bf16/fp16 with D = Dv in {64, 128, 256}, dense or packed (varlen), plain, causal or windowed
+    scores (an integer offset, or bottom-right aligned): no mask, bias, dropout, softcap, ALiBi,
+    RoPE, KV cache or split keys; at least 64 query rows (the longest sequence's, when packed:
     decoding-sized query blocks take the portable kernel, which packs GQA groups; and with Sq = 1,
     an integer Triton specializes, triton 3.6 fails to compile the dK/dV kernel).  The one list of
     what sends a call to the portable kernels (`in_scope`, `bwd_call_in_scope`; the launcher logs
@@ -86,7 +86,6 @@ _NOT_IN_GLUON = (
     ("ALiBi", lambda mask, p: p.alibi_slopes is not None),
     ("dropout", lambda mask, p: p.dropout_p > 0),
     ("per-sequence causal offsets", lambda mask, p: p.offset_tensor is not None),
-    ("a sliding window", lambda mask, p: p.window_left >= 0 or p.window_right > 0),
     ("a scale <= 0", lambda mask, p: not p.scale > 0),
 )
 
@@ -131,12 +130,27 @@ def _sequences(q, k, params: AttnParams, order, lse):
     packed tensors (each sequence's bounds are clamped to them), the sequences in `order`, and
     ragged descriptors."""
     if params.is_varlen:
-        return (_batch(q, params), _ragged_descriptor, 0, lse.stride(1), params.cu_seqlens_q,
-                params.cu_seqlens_k, order, params.max_seqlen_q, params.max_seqlen_k, q.shape[1], k.shape[1],
-                params.offset, int(params.offset_bottom_right))
+        return (_batch(q, params), _ragged_descriptor, 0, lse.stride(1), params.cu_seqlens_q, params.cu_seqlens_k,
+                order, params.max_seqlen_q, params.max_seqlen_k, q.shape[1], k.shape[1], _right(params),
+                int(params.offset_bottom_right))
     Sq, Sk = q.shape[1], k.shape[1]
-    offset = params.offset + (Sk - Sq if params.offset_bottom_right else 0)
+    offset = _right(params) + (Sk - Sq if params.offset_bottom_right else 0)
     return _batch(q, params), _descriptor, lse.stride(0), lse.stride(1), lse, lse, lse, Sq, Sk, Sq, Sk, offset, 0
+
+
+def _right(params: AttnParams) -> int:
+    """The kernels' offset: key j is visible from query i only if j <= i + offset (their CAUSAL),
+    so a window's right side folds into it (canonical_visibility keeps the sum int32-safe)."""
+    return params.offset + max(params.window_right, 0)
+
+
+def _window(params: AttnParams) -> dict:
+    """The kernels' visibility arguments beside `_right`'s offset: CAUSAL (a right side: causal is
+    right = 0), HAS_WL and span (a left side: j >= i + offset - span, i.e. i + params.offset -
+    window_left)."""
+    left, right = params.window_left, params.window_right
+    span = left + max(right, 0) if left >= 0 else 0
+    return dict(span=span, CAUSAL=right >= 0, HAS_WL=left >= 0)
 
 
 def _f32(x: float) -> float:
@@ -160,14 +174,14 @@ def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[0], Hq, total, dtype=torch.float32, device=q.device)
     B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, tot_q, tot_k, offset, br = _sequences(q, k, params, order, lse)
-    causal = params.window_right == 0
+    w = _window(params)
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
-    launch(kernel, grid, desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m),
-           lse, lse if lse_lo is None else lse_lo, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
-           Hq // Hkv, offset, br, _qk_scale(params.scale),
-           CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages),
-           V_STAGES=cfg.v_stages or max(2, cfg.num_stages), Q_IN_REGS=_Q_IN_REGS, VARLEN=params.is_varlen,
-           STORE_LO=lse_lo is not None, num_warps=cfg.num_warps)
+    launch(kernel, grid, desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m), lse,
+           lse if lse_lo is None else lse_lo,
+           s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],
+           _qk_scale(params.scale), CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+           D=D, STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages), Q_IN_REGS=_Q_IN_REGS,
+           VARLEN=params.is_varlen, STORE_LO=lse_lo is not None, num_warps=cfg.num_warps)
     return o, lse
 
 
@@ -282,17 +296,18 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     # with lse_lo, two launches (the kernel's docstring): the second redoes the blocks of the
     # GQA groups the first marks in `far`, and its other programs leave at once
     ready = far is not None
+    w = _window(params)
     if not ready:
         far = lse if lse_lo is None else torch.empty(B * Hkv, device=lse.device, dtype=torch.int32)
-    args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dk, cfg.block_n), desc(dv, cfg.block_n),
-            lse, lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q,
-            tot_k, Hq // Hkv, offset, br, _qk_scale(params.scale), params.scale)
+    args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dk, cfg.block_n), desc(dv, cfg.block_n), lse,
+            lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
+            Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), params.scale)
     # split_kv: dV (PART 1), then dK (PART 2); the second part's scan finds what the first's did
     for part in (1, 2) if cfg.split_kv else (0,):
         for second in ((False,) if lse_lo is None else (False, True)):
-            launch(dkdv, grid, *args, CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                   D=D, STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen,
-                   HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, PART=part, num_warps=cfg.num_warps)
+            launch(dkdv, grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                   D=D, STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen, HAS_LO=lse_lo
+                   is not None, LO_PASS=second, FAR_READY=ready, PART=part, num_warps=cfg.num_warps)
     return dk, dv
 
 
@@ -308,14 +323,14 @@ def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=Non
     B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, tot_q, tot_k, offset, br = _sequences(q, k, params, order, lse)
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
     here = o is not None
+    w = _window(params)
     o_strides = ((0 if params.is_varlen else o.stride(0)), o.stride(1), o.stride(2)) if here else (0, 0, 0)
-    launch(dq_kernel, grid, *(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dq, cfg.block_m),
-           lse, lse if lse_lo is None else lse_lo, delta, lse if far is None else far, s_lb, s_lh, cu_q, cu_k, order,
-           Hq, Sq, Sk, tot_q, tot_k,
-           Hq // Hkv, offset, br, _qk_scale(params.scale), params.scale, o if here else lse,
-           dlse if dlse is not None else lse, *o_strides,
-           CAUSAL=params.window_right == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
-           STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
-           VARLEN=params.is_varlen, DELTA_HERE=here, HAS_DLSE=here and dlse is not None, HAS_LO=lse_lo is not None,
-           FAR_OUT=far is not None, num_warps=cfg.num_warps)
+    launch(dq_kernel, grid, *(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dq, cfg.block_m), lse,
+           lse if lse_lo is None else lse_lo, delta, lse if far is None else far,
+           s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],
+           _qk_scale(params.scale), params.scale, o if here else lse, dlse if dlse is not None else lse, *o_strides,
+           CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
+           STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages), VARLEN=params.is_varlen,
+           DELTA_HERE=here, HAS_DLSE=here and dlse is not None, HAS_LO=lse_lo is not None, FAR_OUT=far is not None,
+           num_warps=cfg.num_warps)
     return dq

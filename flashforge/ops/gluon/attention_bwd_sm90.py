@@ -38,7 +38,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_tiles, load_rows, query_block,
+from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_block,
                        sequence, slot, wait)
 from .rounding import LOG2E, exponent, fused_score, mul_rn
 
@@ -101,9 +101,9 @@ def _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO, DELTA,
-              col_s: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr,
-              FUSE: gl.constexpr = False):
+def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA,
+              col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, MASKED: gl.constexpr,
+              BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr = False):
     """P^T and dS^T ([keys, queries], float32) of flattened tile t from S^T and dP^T; row_b is
     where the sequence's rows start in lse / delta, less head 0's (b * stride_lb + q_start)."""
     g = t // n_mt
@@ -112,8 +112,11 @@ def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, off
     o_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
     lse2, lo, delta = _row_stats(LSE, LSE_LO, DELTA, row_b + h.to(gl.int64) * stride_lh, o_m, Sq, HAS_LO)
     x = exponent(st, qk_scale, lse2[None, :], FUSE)  # the forward's score, exactly (rounding.py)
-    if MASKED:  # the causal diagonal: key n visible from query m iff n <= m + offset
-        x = gl.where(o_n[:, None] <= o_m[None, :] + offset, x, float("-inf"))
+    if MASKED:  # key n visible from query m iff n <= m + offset (CAUSAL) and n >= m + offset - span (HAS_WL)
+        if CAUSAL:
+            x = gl.where(o_n[:, None] <= o_m[None, :] + offset, x, float("-inf"))
+        if HAS_WL:
+            x = gl.where(o_n[:, None] >= o_m[None, :] + (offset - span), x, float("-inf"))
     if HAS_LO:
         x = x - lo[None, :]
     pt = gl.exp2(x)
@@ -134,31 +137,36 @@ def _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M: gl.conste
 
 
 @gluon.jit
-def _tile_grads(st, dpt, t, n_mt, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
-                LSE_LO, DELTA, col_s: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr,
-                FUSE: gl.constexpr = False):
-    """P^T and dS^T of flattened tile t: with the causal mask on the first n_masked query tiles of each head."""
-    if t % n_mt < n_masked:
-        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
-                            LSE_LO, DELTA, col_s, True, BLOCK_M, HAS_LO, FUSE=FUSE)
+def _tile_grads(st, dpt, t, n_mt, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span,
+                qk_scale, LSE, LSE_LO, DELTA, col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr = False):
+    """P^T and dS^T of flattened tile t: with the mask on the first n_masked query tiles of each head
+    (the causal diagonal) and, with a window's left side, on those from n_lfull on."""
+    if HAS_WL:
+        edge = (t % n_mt < n_masked) | (t % n_mt >= n_lfull)
     else:
-        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE,
-                            LSE_LO, DELTA, col_s, False, BLOCK_M, HAS_LO, FUSE=FUSE)
+        edge = t % n_mt < n_masked
+    if edge:
+        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, LSE,
+                            LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, True, BLOCK_M, HAS_LO, FUSE=FUSE)
+    else:
+        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, LSE,
+                            LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, False, BLOCK_M, HAS_LO, FUSE=FUSE)
     return pt, dst
 
 
 @gluon.jit
-def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked, mt_lo, b, hk,
-                group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO, DELTA,
-                col_s: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_M: gl.constexpr,
-                D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
-                HAS_LO: gl.constexpr, FUSE: gl.constexpr):
+def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked, n_lfull, mt_lo,
+                b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA,
+                col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, op_layout: gl.constexpr,
+                dtype: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+                VARLEN: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr):
     """dK, dV (float32, unscaled) over the T > 0 flattened query tiles: the kernel's main loop."""
     # tile 0: its S^T, dP^T alone, so each loop below always has a tile's P^T, dS^T in hand
     st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, 0, s_zero, BLOCK_M, D, STAGES)
     st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-    pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                          offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO, FUSE=FUSE)
+    pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset,
+                          span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, BLOCK_M, HAS_LO, FUSE=FUSE)
     if PIPE:
         pt = gl.convert_layout(pt.to(dtype), op_layout)
         dst = gl.convert_layout(dst.to(dtype), op_layout)
@@ -168,9 +176,9 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
             dk = warpgroup_mma(dst, slot(q_ring, t - 1, BLOCK_M, D, STAGES), dk, is_async=True)
             # S^T_t and dP^T_t are done (the older groups); dV, dK of tile t-1 may still run
             st, dpt = warpgroup_mma_wait(2, deps=(st, dpt))
-            pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq,
-                                          o_n, offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO,
-                                          FUSE=FUSE)
+            pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh,
+                                          Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL,
+                                          BLOCK_M, HAS_LO, FUSE=FUSE)
             dv, dk, pt, dst = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst))
             # tile t-1's slot is free
             _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
@@ -194,8 +202,9 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
             st, dpt, dv, dk = warpgroup_mma_wait(0, deps=(st, dpt, dv, dk))
             _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
                       q_start, Sq, BLOCK_M, STAGES, VARLEN)
-            pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                                  offset, qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO, FUSE=FUSE)
+            pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
+                                  offset, span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, BLOCK_M, HAS_LO,
+                                  FUSE=FUSE)
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES),
                                dv, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, t, BLOCK_M, D, STAGES),
@@ -219,14 +228,14 @@ def _split_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M: gl.conste
 
 
 @gluon.jit
-def _split_product(st, dpt, acc, q_ring, do_ring, t, n_mt, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                   offset, qk_scale, LSE, LSE_LO, DELTA, col_s: gl.constexpr, op_layout: gl.constexpr,
-                   dtype: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                   HAS_LO: gl.constexpr, FUSE: gl.constexpr, PART: gl.constexpr):
+def _split_product(st, dpt, acc, q_ring, do_ring, t, n_mt, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq,
+                   o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA, col_s: gl.constexpr, CAUSAL: gl.constexpr,
+                   HAS_WL: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_M: gl.constexpr,
+                   D: gl.constexpr, STAGES: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr, PART: gl.constexpr):
     """Tile t's P^T (dS^T) from its scores, and dV += P^T dO (dK += dS^T Q) issued.  PART 1's
     dS^T (from S^T standing in for dP^T) is never used, so the compiler drops it and its delta."""
-    pt, dst = _tile_grads(st, dpt, t, n_mt, n_masked, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset,
-                          qk_scale, LSE, LSE_LO, DELTA, col_s, BLOCK_M, HAS_LO, FUSE=FUSE)
+    pt, dst = _tile_grads(st, dpt, t, n_mt, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset,
+                          span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, BLOCK_M, HAS_LO, FUSE=FUSE)
     if PART == 1:
         acc = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES), acc,
                             is_async=True)
@@ -237,11 +246,11 @@ def _split_product(st, dpt, acc, q_ring, do_ring, t, n_mt, n_masked, mt_lo, hk, 
 
 
 @gluon.jit
-def _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, T, n_mt_div, n_masked, mt_lo, b, hk,
-                 group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO, DELTA,
-                 col_s: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_M: gl.constexpr,
-                 D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, HAS_LO: gl.constexpr,
-                 FUSE: gl.constexpr, PART: gl.constexpr):
+def _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, T, n_mt_div, n_masked, n_lfull, mt_lo,
+                 b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA,
+                 col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, op_layout: gl.constexpr,
+                 dtype: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                 VARLEN: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr, PART: gl.constexpr):
     """One of dV (PART 1: sum of P^T dO, from S^T alone) and dK (PART 2: sum of dS^T Q) over the
     T > 0 flattened query tiles, one tile at a time as `_dkdv_tiles` without PIPE: tile t's
     product runs while tile t+1's slot is awaited and its scores issued."""
@@ -252,9 +261,9 @@ def _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, 
         dpt = st
     else:
         st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-    acc = _split_product(st, dpt, acc, q_ring, do_ring, 0, n_mt_div, n_masked, mt_lo, hk, group, row_b, stride_lh,
-                         Sq, o_n, offset, qk_scale, LSE, LSE_LO, DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES,
-                         HAS_LO, FUSE, PART)
+    acc = _split_product(st, dpt, acc, q_ring, do_ring, 0, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b,
+                         stride_lh, Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL,
+                         op_layout, dtype, BLOCK_M, D, STAGES, HAS_LO, FUSE, PART)
     for t in range(1, T):
         st, dpt = _split_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES, PART)
         # also retires tile t-1's product: its slot is free
@@ -265,21 +274,20 @@ def _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, 
             st, dpt, acc = warpgroup_mma_wait(0, deps=(st, dpt, acc))
         _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
                   q_start, Sq, BLOCK_M, STAGES, VARLEN)
-        acc = _split_product(st, dpt, acc, q_ring, do_ring, t, n_mt_div, n_masked, mt_lo, hk, group, row_b,
-                             stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO, DELTA, col_s, op_layout, dtype,
-                             BLOCK_M, D, STAGES, HAS_LO, FUSE, PART)
+        acc = _split_product(st, dpt, acc, q_ring, do_ring, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b,
+                             stride_lh, Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL,
+                             op_layout, dtype, BLOCK_M, D, STAGES, HAS_LO, FUSE, PART)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     return acc
 
 
 @gluon.jit
 def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
-                              stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset,
-                              bottom_right, qk_scale, scale,
-                              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                              STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
-                              HAS_LO: gl.constexpr, LO_PASS: gl.constexpr, FAR_READY: gl.constexpr,
-                              PART: gl.constexpr, num_warps: gl.constexpr):
+                              stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
+                              span, qk_scale, scale, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+                              VARLEN: gl.constexpr, HAS_LO: gl.constexpr, LO_PASS: gl.constexpr,
+                              FAR_READY: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV of one key block.  With lse_lo (HAS_LO) a call is two launches of this kernel:
     the first (LO_PASS=False) serves every program whose GQA group has no row far from 0
     (`_lo_needed`) and records the answer in FAR[b * Hkv + hk]; the second (LO_PASS=True)
@@ -292,21 +300,21 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     if LO_PASS:
         if gl.load(FAR + gl.program_id(1)) != 0:
             _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
-                        stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
-                        qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, True, False, False,
+                        stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span,
+                        qk_scale, scale, CAUSAL, HAS_WL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, True, False, False,
                         PART, num_warps)
     else:
-        _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
-                    stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
-                    qk_scale, scale, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY,
-                    PART, num_warps)
+        _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh,
+                    CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale,
+                    CAUSAL, HAS_WL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY, PART,
+                    num_warps)
 
 
 @gluon.jit
-def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh,
-                CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, qk_scale, scale,
-                CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr,
+def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh, CU_Q,
+                CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale,
+                CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr,
                 SCAN: gl.constexpr, FAR_READY: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):
     """The kernel's program: USE_LO subtracts lse_lo in the loop; SCAN leaves the loop to the
     second launch where the group has a far row, and writes FAR (FAR_READY: reads it, as the dQ
@@ -332,14 +340,21 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    # query tiles [mt_lo, mt_hi) see these keys; those before mt_full cross the causal diagonal
+    # query tiles [mt_lo, mt_end) see these keys; those before mt_full cross the causal diagonal,
+    # those from mt_lfull on the window's left edge (query m sees key n iff n >= m + offset - span)
     if CAUSAL:
         mt_lo = gl.maximum(n0 - offset, 0) // BLOCK_M
         mt_full = gl.maximum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M), mt_lo)
     else:
         mt_lo = 0
         mt_full = 0
-    n_mt = gl.maximum(gl.cdiv(Sq, BLOCK_M) - mt_lo, 0)
+    if HAS_WL:
+        mt_end = gl.minimum(gl.cdiv(Sq, BLOCK_M), gl.cdiv(gl.maximum(n0 + BLOCK_N - offset + span, 0), BLOCK_M))
+        n_lfull = gl.maximum(n0 - offset + span + 1, 0) // BLOCK_M - mt_lo
+    else:
+        mt_end = gl.cdiv(Sq, BLOCK_M)
+        n_lfull = 0
+    n_mt = gl.maximum(mt_end - mt_lo, 0)
     if n0 >= Sk:  # a key block past a packed sequence's end: nothing to compute or write
         n_mt = 0
     T = n_mt * group  # flattened: (head of the group, query tile)
@@ -390,16 +405,17 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
         v_t = v_smem.reshape([BLOCK_N, D])
         if T > 0:
             dk, dv = _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div,
-                                 n_masked, mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale,
-                                 LSE, LSE_LO, DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES, PIPE, VARLEN,
-                                 USE_LO, FUSE)
+                                 n_masked, n_lfull, mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset,
+                                 span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, op_layout, dtype, BLOCK_M,
+                                 D, STAGES, PIPE, VARLEN, USE_LO, FUSE)
     else:
         acc = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
         v_t = k_t if PART == 1 else v_smem.reshape([BLOCK_N, D])  # (PART 1 never reads it)
         if T > 0:
             acc = _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, T, n_mt_div, n_masked,
-                               mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, qk_scale, LSE, LSE_LO,
-                               DELTA, col_s, op_layout, dtype, BLOCK_M, D, STAGES, VARLEN, USE_LO, FUSE, PART)
+                               n_lfull, mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, span, qk_scale,
+                               LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, op_layout, dtype, BLOCK_M, D, STAGES, VARLEN,
+                               USE_LO, FUSE, PART)
 
     mbarrier.invalidate(kv_bar)
     invalidate_barriers(bars, STAGES)
@@ -422,16 +438,19 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
 
 
 @gluon.jit
-def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
-             CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LO: gl.constexpr,
+def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
+             CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LO: gl.constexpr,
              FUSE: gl.constexpr = False):
     """dS ([queries, keys], float32) of one key tile."""
     x = exponent(s, qk_scale, lse2[:, None], FUSE)  # the forward's score, exactly (rounding.py)
-    if MASKED:  # keys past Sk (zero-filled: dS K would still mix their scores in) or the causal diagonal
+    if MASKED:  # keys past Sk (zero-filled: dS K would still mix their scores in), the causal diagonal
+        # or the window's left edge
         o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = o_n[None, :] < Sk
         if CAUSAL:
             keep = keep & (o_n[None, :] <= o_m[:, None] + offset)
+        if HAS_WL:
+            keep = keep & (o_n[None, :] >= o_m[:, None] + (offset - span))
         x = gl.where(keep, x, float("-inf"))
     if HAS_LO:
         x = x - lo[:, None]
@@ -440,12 +459,13 @@ def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout: gl
 
 
 @gluon.jit
-def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_tiles, n_full, b, hk, k_start,
-              Sk, o_m, lse2, lo, delta, offset, qk_scale, s_layout: gl.constexpr, op_layout: gl.constexpr,
-              dtype: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-              V_STAGES: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr, HAS_LO: gl.constexpr,
-              FUSE: gl.constexpr):
-    """dQ (float32, unscaled) over the n_tiles > 0 key tiles: the kernel's main loop."""
+def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_lo, n_tiles, n_lfull, n_full, b,
+              hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, s_layout: gl.constexpr,
+              op_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr,
+              HAS_WL: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr):
+    """dQ (float32, unscaled) over the n_tiles > 0 key tiles n_lo + [0, n_tiles) (`key_window`):
+    the kernel's main loop."""
     wait(k_bars, 0, STAGES)
     wait(v_bars, 0, V_STAGES)
     s = warpgroup_mma(q_t, slot(k_ring, 0, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
@@ -453,13 +473,13 @@ def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_z
     dp = warpgroup_mma(do_t, slot(v_ring, 0, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero, use_acc=False,
                        is_async=True)
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-    load_rows(v_desc, v_ring, v_bars, V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
-    if n_full > 0:
-        ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False, CAUSAL, BLOCK_N,
-                      HAS_LO, FUSE=FUSE)
+    load_rows(v_desc, v_ring, v_bars, V_STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
+    if (n_full > 0) & (n_lfull <= 0):
+        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, s_layout, False, CAUSAL,
+                      HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE)
     else:
-        ds = _ds_tile(s, dp, 0, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True, CAUSAL, BLOCK_N,
-                      HAS_LO, FUSE=FUSE)
+        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, s_layout, True, CAUSAL,
+                      HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE)
     ds = gl.convert_layout(ds.to(dtype), op_layout)
     for j in range(1, n_tiles):
         wait(k_bars, j, STAGES)
@@ -471,15 +491,15 @@ def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_z
         dq = warpgroup_mma(ds, slot(k_ring, j - 1, BLOCK_N, D, STAGES), dq, is_async=True)
         # S_j, dP_j are done; dQ's product of tile j-1 may still run.  V_j's slot is free.
         s, dp = warpgroup_mma_wait(1, deps=(s, dp))
-        load_rows(v_desc, v_ring, v_bars, j + V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
-        if j < n_full:
-            ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, False,
-                              CAUSAL, BLOCK_N, HAS_LO, FUSE=FUSE)
+        load_rows(v_desc, v_ring, v_bars, j + V_STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
+        if (j < n_full) & (j >= n_lfull):
+            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, s_layout,
+                              False, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE)
         else:
-            ds_new = _ds_tile(s, dp, j * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, qk_scale, s_layout, True,
-                              CAUSAL, BLOCK_N, HAS_LO, FUSE=FUSE)
+            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, s_layout,
+                              True, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE)
         dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
-        load_rows(k_desc, k_ring, k_bars, j - 1 + STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
+        load_rows(k_desc, k_ring, k_bars, j - 1 + STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
         ds = gl.convert_layout(ds_new.to(dtype), op_layout)
     last = n_tiles - 1
     dq = warpgroup_mma(ds, slot(k_ring, last, BLOCK_N, D, STAGES), dq, is_async=True)
@@ -489,12 +509,12 @@ def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_z
 
 @gluon.jit
 def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh,
-                            CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, qk_scale,
-                            scale, O, DLSE, stride_ob, stride_os, stride_oh, CAUSAL: gl.constexpr,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                            V_STAGES: gl.constexpr, VARLEN: gl.constexpr, DELTA_HERE: gl.constexpr,
-                            HAS_DLSE: gl.constexpr, HAS_LO: gl.constexpr, FAR_OUT: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span,
+                            qk_scale, scale, O, DLSE, stride_ob, stride_os, stride_oh, CAUSAL: gl.constexpr,
+                            HAS_WL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                            STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr,
+                            DELTA_HERE: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_LO: gl.constexpr,
+                            FAR_OUT: gl.constexpr, num_warps: gl.constexpr):
     """dQ of one query block.  FAR_OUT (with lse_lo, when the dK/dV kernel runs next): a program
     with a row far from 0 sets FAR[b * Hkv + hk] (zeroed by the caller), the answer the dK/dV
     kernel's first launch would otherwise scan the group's lse for (`_lo_needed`)."""
@@ -512,8 +532,8 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    # key tiles [0, n_tiles); tiles from n_full on need a mask (causal diagonal, or Sk's end)
-    n_tiles, n_full = key_tiles(m0, Sq, Sk, offset, BLOCK_M, BLOCK_N, CAUSAL)
+    # key tiles n_lo + [0, n_tiles), masked before n_lfull and from n_full on (as the forward's)
+    n_lo, n_tiles, n_lfull, n_full = key_window(m0, Sq, Sk, offset, span, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL)
 
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
@@ -531,9 +551,9 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
     copy_in(q_desc, b, m0, h, q_start, Sq, q_bar, q_smem, True, VARLEN)
     copy_in(do_desc, b, m0, h, q_start, Sq, q_bar, do_smem, True, VARLEN)
     for i in gl.static_range(STAGES):
-        load_rows(k_desc, k_ring, k_bars, i, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
+        load_rows(k_desc, k_ring, k_bars, i, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
     for i in gl.static_range(V_STAGES):
-        load_rows(v_desc, v_ring, v_bars, i, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
+        load_rows(v_desc, v_ring, v_bars, i, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
 
     o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     row = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start  # this head's lse / delta rows
@@ -568,13 +588,13 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
         else:
             lo_here = False
         if lo_here:
-            dq = _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_tiles, n_full, b, hk,
-                           k_start, Sk, o_m, lse2, lo, delta, offset, qk_scale, s_layout, op_layout, dtype, BLOCK_N, D,
-                           STAGES, V_STAGES, VARLEN, CAUSAL, True, FUSE)
+            dq = _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_lo, n_tiles,
+                           n_lfull, n_full, b, hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, s_layout,
+                           op_layout, dtype, BLOCK_N, D, STAGES, V_STAGES, VARLEN, CAUSAL, HAS_WL, True, FUSE)
         else:
-            dq = _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_tiles, n_full, b, hk,
-                           k_start, Sk, o_m, lse2, lo, delta, offset, qk_scale, s_layout, op_layout, dtype, BLOCK_N, D,
-                           STAGES, V_STAGES, VARLEN, CAUSAL, False, FUSE)
+            dq = _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_lo, n_tiles,
+                           n_lfull, n_full, b, hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, s_layout,
+                           op_layout, dtype, BLOCK_N, D, STAGES, V_STAGES, VARLEN, CAUSAL, HAS_WL, False, FUSE)
 
     mbarrier.invalidate(q_bar)
     invalidate_barriers(k_bars, STAGES)

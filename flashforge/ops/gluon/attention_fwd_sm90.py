@@ -21,29 +21,32 @@ which measured slower (benchmarks/RESULTS.md v0.4.0).
 Scope (the launcher checks it; everything else takes the portable kernel):
 bf16/fp16, D = Dv in {64, 128, 256}, dense [B, S, H, D] or packed (varlen) inputs
 with 16-byte aligned strides, GQA, no mask/bias, no dropout, softcap, ALiBi,
-window, RoPE, split or paged keys; causal with an integer diagonal offset (key j
+RoPE, split or paged keys; causal with an integer diagonal offset (key j
 visible from query i iff j <= i + offset; packed: per sequence, optionally
-bottom-right aligned).
+bottom-right aligned) and sliding windows (also j >= i + offset - span).  A
+window's query block visits only the key tiles of its band (`key_window`).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_tiles, load_rows, query_block,
+from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_block,
                        sequence, slot, wait)
 from .rounding import LN2, LOG2E, exponent, fused_score, mul_rn
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
-                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, FUSE: gl.constexpr = False):
+def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, span, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
+                  CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, BLOCK_N: gl.constexpr, FUSE: gl.constexpr = False):
     """One tile's online-softmax update: (p, alpha, m_new, l_new) in log2 units."""
-    if MASKED:  # keys past Sk (zero-filled by TMA) or past the causal diagonal
+    if MASKED:  # keys past Sk (zero-filled by TMA), past the causal diagonal or before the window
         o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = o_n[None, :] < Sk
         if CAUSAL:
             keep = keep & (o_n[None, :] <= o_m[:, None] + offset)
+        if HAS_WL:
+            keep = keep & (o_n[None, :] >= o_m[:, None] + (offset - span))
         s = gl.where(keep, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
@@ -58,13 +61,15 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, qk_scale, s_layout: gl.const
 
 
 @gluon.jit
-def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb, stride_lh, CU_Q, CU_K, ORDER, Hq,
-                         Sq, Sk, total_q, total_k, group, offset, bottom_right, qk_scale, CAUSAL: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                         V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr, VARLEN: gl.constexpr,
+def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb, stride_lh, CU_Q, CU_K, ORDER, Hq, Sq,
+                         Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, CAUSAL: gl.constexpr,
+                         HAS_WL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                         STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr, VARLEN: gl.constexpr,
                          STORE_LO: gl.constexpr, num_warps: gl.constexpr):
     # STORE_LO: also write LSE_LO (lse's strides), what the backward's lse * LOG2E misses of
-    # m + log2(l) (`flashforge.ops.params`)
+    # m + log2(l) (`flashforge.ops.params`).  Visibility: key j from query i iff j <= i + offset
+    # (CAUSAL: the launcher folds a window's right side into the offset) and j >= i + offset - span
+    # (HAS_WL: a window's left side)
     dtype: gl.constexpr = q_desc.dtype
     FUSE: gl.constexpr = fused_score(dtype)  # P's exponent fused from the product (rounding.py)
     b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
@@ -81,8 +86,9 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    # key tiles [0, n_tiles); tiles from n_full on need a mask (causal diagonal, or Sk's end)
-    n_tiles, n_full = key_tiles(m0, Sq, Sk, offset, BLOCK_M, BLOCK_N, CAUSAL)
+    # key tiles n_lo + [0, n_tiles); those before n_lfull or from n_full on need a mask (the
+    # window's edges, or Sk's end); the rings count tiles from n_lo
+    n_lo, n_tiles, n_lfull, n_full = key_window(m0, Sq, Sk, offset, span, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL)
 
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -98,9 +104,9 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     copy_in(q_desc, b, m0, h, q_start, Sq, q_bar, q_smem, True, VARLEN)
     for i in gl.static_range(STAGES):
-        load_rows(k_desc, k_ring, k_bars, i, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
+        load_rows(k_desc, k_ring, k_bars, i, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
     for i in gl.static_range(V_STAGES):
-        load_rows(v_desc, v_ring, v_bars, i, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
+        load_rows(v_desc, v_ring, v_bars, i, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
 
     o_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -119,13 +125,13 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
         s = warpgroup_mma(q, slot(k_ring, 0, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        load_rows(k_desc, k_ring, k_bars, STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
-        if n_full > 0:
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, o_m, Sk, offset, qk_scale, s_layout, False, CAUSAL,
-                                               BLOCK_N, FUSE=FUSE)
+        load_rows(k_desc, k_ring, k_bars, STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
+        if (n_full > 0) & (n_lfull <= 0):
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, s_layout,
+                                               False, CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE)
         else:
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, o_m, Sk, offset, qk_scale, s_layout, True, CAUSAL,
-                                               BLOCK_N, FUSE=FUSE)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, s_layout,
+                                               True, CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE)
         p = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_tiles):
@@ -136,15 +142,15 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
             acc = warpgroup_mma(p, slot(v_ring, j - 1, BLOCK_N, D, V_STAGES), acc, is_async=True)
             # S_j is done (the older group); P_{j-1} V_{j-1} may still run.  K_j's slot is free.
             s = warpgroup_mma_wait(1, deps=(s, ))
-            load_rows(k_desc, k_ring, k_bars, j + STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
-            if j < n_full:
-                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
-                                                       False, CAUSAL, BLOCK_N, FUSE=FUSE)
+            load_rows(k_desc, k_ring, k_bars, j + STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
+            if (j < n_full) & (j >= n_lfull):
+                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span,
+                                                       qk_scale, s_layout, False, CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE)
             else:
-                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j * BLOCK_N, o_m, Sk, offset, qk_scale, s_layout,
-                                                       True, CAUSAL, BLOCK_N, FUSE=FUSE)
+                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span,
+                                                       qk_scale, s_layout, True, CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-            load_rows(v_desc, v_ring, v_bars, j - 1 + V_STAGES, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES,
+            load_rows(v_desc, v_ring, v_bars, j - 1 + V_STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES,
                       VARLEN)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p = gl.convert_layout(p_new.to(dtype), p_layout)

@@ -40,12 +40,14 @@ def copy_out(desc, b, row, h, start, length, src, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def load_rows(desc, ring, bars, j, b, h, start, length, n_tiles, ROWS: gl.constexpr, STAGES: gl.constexpr,
+def load_rows(desc, ring, bars, j, first, b, h, start, length, n_tiles, ROWS: gl.constexpr, STAGES: gl.constexpr,
               VARLEN: gl.constexpr):
-    """Rows [j * ROWS, (j + 1) * ROWS) of (b, h) into slot j % STAGES; a tile past n_tiles is not fetched."""
+    """Rows [(first + j) * ROWS, (first + j + 1) * ROWS) of (b, h) into slot j % STAGES: the ring
+    counts a program's tiles from its first (`first`, a sliding window's first tile); a tile
+    past n_tiles (counted from `first` too) is not fetched."""
     slot = j % STAGES
     mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=j < n_tiles)
-    copy_in(desc, b, j * ROWS, h, start, length, bars.index(slot), ring.index(slot), j < n_tiles, VARLEN)
+    copy_in(desc, b, (first + j) * ROWS, h, start, length, bars.index(slot), ring.index(slot), j < n_tiles, VARLEN)
 
 
 @gluon.jit
@@ -129,3 +131,23 @@ def key_tiles(m0, Sq, Sk, offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, 
     if m0 >= Sq:
         n_tiles = 0
     return n_tiles, n_full
+
+
+@gluon.jit
+def key_window(m0, Sq, Sk, offset, span, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               HAS_WL: gl.constexpr):
+    """(n_lo, n_tiles, n_lfull, n_full), tiles counted from n_lo: queries [m0, m0 + BLOCK_M) see
+    key tiles [n_lo, n_lo + n_tiles); tile n_lo + i needs a mask where i < n_lfull (a sliding
+    window's left edge: key j visible from query i iff j >= i + offset - span, HAS_WL) or
+    i >= n_full (`key_tiles`: the right edge, or Sk's end)."""
+    n_tiles, n_full = key_tiles(m0, Sq, Sk, offset, BLOCK_M, BLOCK_N, CAUSAL)
+    if HAS_WL:
+        n_lo = gl.minimum(gl.maximum(m0 + offset - span, 0) // BLOCK_N, n_tiles)
+        # the first tile every row of the block sees whole
+        n_lfull = gl.cdiv(gl.maximum(m0 + BLOCK_M - 1 + offset - span, 0), BLOCK_N) - n_lo
+        n_tiles -= n_lo
+        n_full -= n_lo
+    else:
+        n_lo = 0
+        n_lfull = 0
+    return n_lo, n_tiles, n_lfull, n_full

@@ -29,7 +29,7 @@ from .rope import rope_turns
 # Why a call takes a slower kernel than the fastest one for its device, in one place: at DEBUG
 # level each distinct reason is logged once per pass, e.g.
 #   logging.getLogger("flashforge.dispatch").setLevel(logging.DEBUG)  (and a handler)
-# "forward: portable kernel: a sliding window (not in the Gluon kernels)".  The reasons are
+# "forward: portable kernel: softcap (not in the Gluon kernels)".  The reasons are
 # `gluon.attention.scope_reason` / `forward_reason` / `bwd_call_reason` and the table's.
 dispatch_log = logging.getLogger("flashforge.dispatch")
 _explained: set = set()
