@@ -58,11 +58,12 @@ def _params(**kw):
     (dict(window_right=0), True),
     (dict(window_right=0, offset_bottom_right=True), True),
     (dict(dropout_p=0.1), False),
-    (dict(softcap=3.0), False),
+    (dict(softcap=3.0), True),
     (dict(window_left=64, window_right=0), True),
     (dict(window_left=64), True),
     (dict(window_right=30), True),
-    (dict(alibi_slopes=torch.ones(4)), False),
+    (dict(alibi_slopes=torch.ones(2, 4)), True),
+    (dict(seqlens_k=torch.full((2,), 100, dtype=torch.int32)), False),
 ])
 def test_scope_of_dense_calls(kw, ok):
     q = torch.empty(2, 128, 4, 128, dtype=torch.bfloat16)
@@ -125,6 +126,21 @@ def test_window_folds_into_offset_and_span(left, right, offset, span, causal):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(softcap=7.0), dict(alibi_slopes=torch.rand(2, 4), window_right=12)])
+def test_modifier_arguments(kw):
+    """scale, softcap, the slopes (or a placeholder) with their strides, the window's right side
+    (ALiBi's distance is from the call's offset: the kernels' offset less it), and the flags."""
+    p = _params(**kw)
+    placeholder = torch.empty(1)
+    args, flags = gluon_attention._modifiers(p, placeholder)
+    slopes = kw.get("alibi_slopes")
+    assert args[:2] == (0.1, kw.get("softcap", 0.0))
+    assert args[2] is (placeholder if slopes is None else slopes)
+    assert args[3:5] == ((0, 0) if slopes is None else slopes.stride())
+    assert args[5] == max(kw.get("window_right", -1), 0)
+    assert flags == dict(HAS_SOFTCAP="softcap" in kw, HAS_ALIBI=slopes is not None)
+
+
 def test_dense_bottom_right_is_folded_into_the_offset():
     q = torch.empty(2, 100, 4, 64, dtype=torch.bfloat16)
     k = torch.empty(2, 300, 4, 64, dtype=torch.bfloat16)
@@ -166,9 +182,10 @@ def test_far_flags_cover_every_dkdv_program_row(packed):
     ((2, 128, 4, 96), torch.bfloat16, dict(), (9, 0), "D = 96"),
     ((2, 32, 4, 64), torch.bfloat16, dict(), (9, 0), "fewer than 64 query rows"),
     ((2, 128, 4, 64), torch.bfloat16, dict(window_left=64, window_right=0), (9, 0), None),
-    ((2, 128, 4, 64), torch.bfloat16, dict(alibi_slopes=torch.ones(4)), (9, 0), "ALiBi"),
+    ((2, 128, 4, 64), torch.bfloat16, dict(alibi_slopes=torch.ones(2, 4)), (9, 0), None),
     ((2, 128, 4, 64), torch.bfloat16, dict(dropout_p=0.1), (9, 0), "dropout"),
-    ((2, 128, 4, 64), torch.bfloat16, dict(softcap=5.0), (9, 0), "softcap"),
+    ((2, 128, 4, 64), torch.bfloat16, dict(softcap=5.0), (9, 0), None),
+    ((2, 128, 4, 64), torch.bfloat16, dict(q_rope=object()), (9, 0), "RoPE"),
 ])
 def test_scope_reason_names_the_feature(shape, dtype, kw, arch, says):
     q = torch.empty(shape, dtype=dtype)
@@ -200,7 +217,7 @@ def test_backward_reason_dtype_of_do_and_lse():
 
 def test_launcher_logs_each_reason_once(caplog, monkeypatch):
     """The backward's passes on sm_90 tensors (CPU tensors, sm_90 asked for): in scope, the table's
-    Gluon tiles; with softcap, the portable kernels and the reason, logged once however often."""
+    Gluon tiles; with dropout, the portable kernels and the reason, logged once however often."""
     from flashforge.ops.triton import attention as launchers
     from flashforge.ops.triton import configs
     monkeypatch.setattr(launchers, "_explained", set())
@@ -214,11 +231,11 @@ def test_launcher_logs_each_reason_once(caplog, monkeypatch):
         assert g_q == configs.gluon_config(128, 2, False, (9, 0), "bwd_q")
         assert not caplog.records
         for _ in range(3):
-            assert launchers._gluon_backward(q, q, q, q, lse, None, _params(softcap=5.0), cfg_kv,
+            assert launchers._gluon_backward(q, q, q, q, lse, None, _params(dropout_p=0.1), cfg_kv,
                                              cfg_q, (9, 0), None) == (None, None)
     msgs = [r.getMessage() for r in caplog.records]
-    assert msgs == ["backward bwd_kv: portable kernel: softcap (not in the Gluon kernels)",
-                    "backward bwd_q: portable kernel: softcap (not in the Gluon kernels)"], msgs
+    assert msgs == ["backward bwd_kv: portable kernel: dropout (not in the Gluon kernels)",
+                    "backward bwd_q: portable kernel: dropout (not in the Gluon kernels)"], msgs
 
 
 def test_interpreted_call_says_so(caplog, monkeypatch):

@@ -93,6 +93,34 @@ def test_window_against_reference(c, dtype, gluon_calls):
     assert gluon_calls, "the Gluon forward was not used"
 
 
+# Score modifiers: softcap (tanh, and its gradient's 1 - t^2) and ALiBi (per-head or per-row
+# slopes, at distances from the call's offset, not the kernels' offset with a window's right side
+# folded in), alone, together, with windows and offsets, at every head dim
+MOD_CASES = [
+    case("S777-D128-softcap30-gqa4/2", BF16, B=2, Sq=777, Sk=777, Hq=4, Hkv=2, D=128, softcap=30.0),
+    case("S640-D64-causal-softcap5", F16, B=1, Sq=640, Sk=640, Hq=2, Hkv=2, D=64, causal=True, softcap=5.0),
+    case("S515-D128-causal-alibi-H-gqa4/2", BF16, B=2, Sq=515, Sk=515, Hq=4, Hkv=2, D=128, causal=True, alibi="H"),
+    case("Sq300-Sk1000-bottom-right-alibi-BH", F16, B=2, Sq=300, Sk=1000, Hq=2, Hkv=1, D=64, causal=True,
+         causal_offset=700, alibi="BH"),
+    case("Sq300-Sk500-alibi-window-right-offset", BF16, B=1, Sq=300, Sk=500, Hq=2, Hkv=2, D=128, causal_offset=50,
+         window=(80, 40), alibi="H"),
+    case("S640-D64-window-softcap-alibi", BF16, B=1, Sq=640, Sk=640, Hq=2, Hkv=2, D=64, window=(100, 20), softcap=10.0,
+         alibi="BH"),
+    case("Sq700-Sk200-softcap-empty-rows", F16, B=1, Sq=700, Sk=200, Hq=2, Hkv=2, D=128, causal=True,
+         causal_offset=-500, softcap=20.0),
+    case("S333-D256-causal-softcap-alibi", BF16, B=1, Sq=333, Sk=333, Hq=2, Hkv=2, D=256, causal=True, softcap=20.0,
+         alibi="BH"),
+    case("sharp-softcap50", F16, B=1, Sq=384, Sk=640, Hq=2, Hkv=2, D=128, input_scale=4.0, softcap=50.0),
+]
+
+
+@pytest.mark.parametrize("c, dtype", MOD_CASES)
+def test_modifiers_against_reference(c, dtype, gluon_calls):
+    """The forward with the fixture's tiles (D = 256: the table's), the table's backward."""
+    check_case(c, "triton", device="cuda", dtype=dtype)
+    assert gluon_calls, "the Gluon forward was not used"
+
+
 # D = 256: the Gluon forward with the table's tiles and the variants a sweep may pick (one or
 # two warpgroups, 32- or 64-key tiles, a one-slot V ring), the table's backward on its o and lse
 D256_VARIANTS = {"table": None, "64x32": (64, 32, 4, 2), "64x64-v1": (64, 64, 4, 2, 1), "128x32-s3": (128, 32, 8, 3),
@@ -186,12 +214,13 @@ def test_d256_backward_against_reference(c, dtype, gluon_bwd_calls_256):
         assert bool(calls[kind]) == asked, f"Gluon {kind} calls {calls[kind]}, wanted: {asked}"
 
 
-# features the Gluon kernels lack (built when called: the offsets live on the GPU)
-OUT_OF_SCOPE = [lambda: dict(softcap=5.0), lambda: dict(causal=True, causal_offset=torch.tensor([3], device="cuda")),
+# features the Gluon kernels lack (built when called: the tensors live on the GPU)
+OUT_OF_SCOPE = [lambda: dict(mask=torch.zeros(1, 1, 256, 256, device="cuda")),
+                lambda: dict(causal=True, causal_offset=torch.tensor([3], device="cuda")),
                 lambda: dict(dropout_p=0.1, seed=3)]
 
 
-@pytest.mark.parametrize("kw", OUT_OF_SCOPE, ids=["softcap", "per-batch-offsets", "dropout"])
+@pytest.mark.parametrize("kw", OUT_OF_SCOPE, ids=["bias", "per-batch-offsets", "dropout"])
 def test_out_of_scope_takes_portable_kernel(kw, gluon_calls):
     kw = kw()
     q, k, v = (torch.randn(1, 256, 2, 64, device="cuda", dtype=BF16) for _ in range(3))
@@ -260,18 +289,18 @@ def test_backward_against_reference(c, dtype, gluon_bwd_calls):
             assert gluon_bwd_calls[kind], f"the Gluon {kind} kernel was not used"
 
 
-@pytest.mark.parametrize("c, dtype", [p for p in WINDOW_CASES if p.values[0].D <= 128])
-def test_window_backward_against_reference(c, dtype, gluon_bwd_calls):
+@pytest.mark.parametrize("c, dtype", [p for p in WINDOW_CASES + MOD_CASES if p.values[0].D <= 128])
+def test_window_and_modifier_backward_against_reference(c, dtype, gluon_bwd_calls):
     check_case(c, "triton", device="cuda", dtype=dtype)
     for kind in ("bwd_kv", "bwd_q"):
         if configs.gluon_config(c.D, 2, False, (9, 0), kind) is not None:
             assert gluon_bwd_calls[kind], f"the Gluon {kind} kernel was not used"
 
 
-@pytest.mark.parametrize("c, dtype", [p for p in WINDOW_CASES if p.values[0].D == 256] + [
+@pytest.mark.parametrize("c, dtype", [p for p in WINDOW_CASES + MOD_CASES if p.values[0].D == 256] + [
     case("Sq200-Sk456-D256-both-sides", F16, B=2, Sq=200, Sk=456, Hq=2, Hkv=1, D=256, causal_offset=100,
          window=(90, 45))])
-def test_d256_window_backward_against_reference(c, dtype, gluon_bwd_calls_256):
+def test_d256_window_and_modifier_backward_against_reference(c, dtype, gluon_bwd_calls_256):
     calls, pair = gluon_bwd_calls_256
     check_case(c, "triton", device="cuda", dtype=dtype)
     for i, kind in enumerate(("bwd_kv", "bwd_q")):
@@ -360,6 +389,9 @@ VARLEN_CASES = [
                  id="D64-causal-offset-cross"),
     pytest.param(dict(lq=[300, 77, 129], lk=None, Hq=2, Hkv=1, D=256), dict(causal=True), BF16, id="D256-causal-gqa"),
     pytest.param(dict(lq=[70, 200], lk=[333, 64], Hq=2, Hkv=2, D=256), dict(), F16, id="D256-cross"),
+    pytest.param(dict(lq=[300, 77, 129], lk=[350, 77, 500], Hq=4, Hkv=2, D=128),
+                 dict(causal=True, causal_offset="bottom_right", window=(90, -1), softcap=8.0), BF16,
+                 id="D128-window-softcap-bottom-right-cross"),
 ]
 
 

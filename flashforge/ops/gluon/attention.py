@@ -54,7 +54,7 @@ def _kernel():
 def scope_reason(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> str | None:
     """Why the Gluon kernels cannot compute this call's scores, or None where they can: sm_90,
     bf16/fp16 with D = Dv in {64, 128, 256}, dense or packed (varlen), plain, causal or windowed
-    scores (an integer offset, or bottom-right aligned): no mask, bias, dropout, softcap, ALiBi,
+    scores (an integer offset, or bottom-right aligned), softcap, ALiBi: no mask, bias, dropout,
     RoPE, KV cache or split keys; at least 64 query rows (the longest sequence's, when packed:
     decoding-sized query blocks take the portable kernel, which packs GQA groups; and with Sq = 1,
     an integer Triton specializes, triton 3.6 fails to compile the dK/dV kernel).  The one list of
@@ -82,8 +82,6 @@ _NOT_IN_GLUON = (
     ("a paged KV cache", lambda mask, p: p.block_table is not None),
     ("split keys", lambda mask, p: p.num_splits > 1),
     ("RoPE inside the kernel", lambda mask, p: p.q_rope is not None),
-    ("softcap", lambda mask, p: p.softcap > 0),
-    ("ALiBi", lambda mask, p: p.alibi_slopes is not None),
     ("dropout", lambda mask, p: p.dropout_p > 0),
     ("per-sequence causal offsets", lambda mask, p: p.offset_tensor is not None),
     ("a scale <= 0", lambda mask, p: not p.scale > 0),
@@ -153,6 +151,19 @@ def _window(params: AttnParams) -> dict:
     return dict(span=span, CAUSAL=right >= 0, HAS_WL=left >= 0)
 
 
+def _modifiers(params: AttnParams, placeholder):
+    """(args, constexprs) of the score modifiers (`scores.modified_score`): scale, softcap, the
+    ALiBi slopes (float32 [B, Hq], or `placeholder`) and their strides, and the window's right
+    side (ALiBi's distance is from the call's own offset, the kernels' less that side)."""
+    slopes = params.alibi_slopes
+    right = max(params.window_right, 0)
+    if slopes is None:
+        args = (params.scale, params.softcap, placeholder, 0, 0, right)
+    else:
+        args = (params.scale, params.softcap, slopes, slopes.stride(0), slopes.stride(1), right)
+    return args, dict(HAS_SOFTCAP=params.softcap > 0, HAS_ALIBI=slopes is not None)
+
+
 def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
@@ -175,13 +186,14 @@ def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None)
     lse = torch.empty(q.shape[0], Hq, total, dtype=torch.float32, device=q.device)
     B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, tot_q, tot_k, offset, br = _sequences(q, k, params, order, lse)
     w = _window(params)
+    mod, mod_flags = _modifiers(params, lse)
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
     launch(kernel, grid, desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m), lse,
            lse if lse_lo is None else lse_lo,
            s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],
-           _qk_scale(params.scale), CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-           D=D, STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages), Q_IN_REGS=_Q_IN_REGS,
-           VARLEN=params.is_varlen, STORE_LO=lse_lo is not None, num_warps=cfg.num_warps)
+           _qk_scale(params.scale), *mod, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_M=cfg.block_m,
+           BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
+           Q_IN_REGS=_Q_IN_REGS, VARLEN=params.is_varlen, STORE_LO=lse_lo is not None, num_warps=cfg.num_warps)
     return o, lse
 
 
@@ -297,17 +309,18 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     # GQA groups the first marks in `far`, and its other programs leave at once
     ready = far is not None
     w = _window(params)
+    mod, mod_flags = _modifiers(params, lse)
     if not ready:
         far = lse if lse_lo is None else torch.empty(B * Hkv, device=lse.device, dtype=torch.int32)
     args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dk, cfg.block_n), desc(dv, cfg.block_n), lse,
             lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
-            Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), params.scale)
+            Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod)
     # split_kv: dV (PART 1), then dK (PART 2); the second part's scan finds what the first's did
     for part in (1, 2) if cfg.split_kv else (0,):
         for second in ((False,) if lse_lo is None else (False, True)):
-            launch(dkdv, grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                   D=D, STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen, HAS_LO=lse_lo
-                   is not None, LO_PASS=second, FAR_READY=ready, PART=part, num_warps=cfg.num_warps)
+            launch(dkdv, grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_M=cfg.block_m,
+                   BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen,
+                   HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, PART=part, num_warps=cfg.num_warps)
     return dk, dv
 
 
@@ -324,12 +337,13 @@ def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=Non
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
     here = o is not None
     w = _window(params)
+    mod, mod_flags = _modifiers(params, lse)
     o_strides = ((0 if params.is_varlen else o.stride(0)), o.stride(1), o.stride(2)) if here else (0, 0, 0)
     launch(dq_kernel, grid, *(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dq, cfg.block_m), lse,
            lse if lse_lo is None else lse_lo, delta, lse if far is None else far,
            s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],
            _qk_scale(params.scale), params.scale, o if here else lse, dlse if dlse is not None else lse, *o_strides,
-           CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
+           *mod[1:], CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
            STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages), VARLEN=params.is_varlen,
            DELTA_HERE=here, HAS_DLSE=here and dlse is not None, HAS_LO=lse_lo is not None, FAR_OUT=far is not None,
            num_warps=cfg.num_warps)

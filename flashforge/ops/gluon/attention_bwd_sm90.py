@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_block,
                        sequence, slot, wait)
 from .rounding import LOG2E, exponent, fused_score, mul_rn
+from .scores import modified_score
 
 
 @gluon.jit
@@ -101,9 +102,10 @@ def _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA,
-              col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, MASKED: gl.constexpr,
-              BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr = False):
+def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, scale, softcap, SL,
+              stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr,
+              HAS_LO: gl.constexpr, FUSE: gl.constexpr = False):
     """P^T and dS^T ([keys, queries], float32) of flattened tile t from S^T and dP^T; row_b is
     where the sequence's rows start in lse / delta, less head 0's (b * stride_lb + q_start)."""
     g = t // n_mt
@@ -111,7 +113,16 @@ def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, off
     h = hk * group + g
     o_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
     lse2, lo, delta = _row_stats(LSE, LSE_LO, DELTA, row_b + h.to(gl.int64) * stride_lh, o_m, Sq, HAS_LO)
-    x = exponent(st, qk_scale, lse2[None, :], FUSE)  # the forward's score, exactly (rounding.py)
+    if HAS_SOFTCAP or HAS_ALIBI:  # the forward's score, exactly (scores.py); SL: this sequence's slopes
+        if HAS_ALIBI:
+            slope = gl.load(SL + h * stride_sh)
+        else:
+            slope = 0.0
+        s2, tc = modified_score(st, o_m[None, :], o_n[:, None], qk_scale, scale, softcap, slope, alibi_off, HAS_SOFTCAP,
+                                HAS_ALIBI)
+        x = s2 - lse2[None, :]
+    else:
+        x = exponent(st, qk_scale, lse2[None, :], FUSE)  # the forward's score, exactly (rounding.py)
     if MASKED:  # key n visible from query m iff n <= m + offset (CAUSAL) and n >= m + offset - span (HAS_WL)
         if CAUSAL:
             x = gl.where(o_n[:, None] <= o_m[None, :] + offset, x, float("-inf"))
@@ -121,6 +132,8 @@ def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, off
         x = x - lo[None, :]
     pt = gl.exp2(x)
     dst = pt * (dpt - delta[None, :])
+    if HAS_SOFTCAP:  # with respect to the raw product
+        dst = dst * (1.0 - tc * tc)
     return pt, dst
 
 
@@ -138,7 +151,8 @@ def _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M: gl.conste
 
 @gluon.jit
 def _tile_grads(st, dpt, t, n_mt, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span,
-                qk_scale, LSE, LSE_LO, DELTA, col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s: gl.constexpr,
+                CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                 BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr = False):
     """P^T and dS^T of flattened tile t: with the mask on the first n_masked query tiles of each head
     (the causal diagonal) and, with a window's left side, on those from n_lfull on."""
@@ -147,26 +161,30 @@ def _tile_grads(st, dpt, t, n_mt, n_masked, n_lfull, mt_lo, hk, group, row_b, st
     else:
         edge = t % n_mt < n_masked
     if edge:
-        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, LSE,
-                            LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, True, BLOCK_M, HAS_LO, FUSE=FUSE)
+        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale,
+                            scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL,
+                            HAS_SOFTCAP, HAS_ALIBI, True, BLOCK_M, HAS_LO, FUSE=FUSE)
     else:
-        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, LSE,
-                            LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, False, BLOCK_M, HAS_LO, FUSE=FUSE)
+        pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale,
+                            scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL,
+                            HAS_SOFTCAP, HAS_ALIBI, False, BLOCK_M, HAS_LO, FUSE=FUSE)
     return pt, dst
 
 
 @gluon.jit
 def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked, n_lfull, mt_lo,
-                b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA,
-                col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, op_layout: gl.constexpr,
-                dtype: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
-                VARLEN: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr):
+                b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh,
+                alibi_off, LSE, LSE_LO, DELTA, col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr,
+                BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
+                HAS_LO: gl.constexpr, FUSE: gl.constexpr):
     """dK, dV (float32, unscaled) over the T > 0 flattened query tiles: the kernel's main loop."""
     # tile 0: its S^T, dP^T alone, so each loop below always has a tile's P^T, dS^T in hand
     st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, 0, s_zero, BLOCK_M, D, STAGES)
     st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
     pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset,
-                          span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, BLOCK_M, HAS_LO, FUSE=FUSE)
+                          span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL,
+                          HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE)
     if PIPE:
         pt = gl.convert_layout(pt.to(dtype), op_layout)
         dst = gl.convert_layout(dst.to(dtype), op_layout)
@@ -177,8 +195,9 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
             # S^T_t and dP^T_t are done (the older groups); dV, dK of tile t-1 may still run
             st, dpt = warpgroup_mma_wait(2, deps=(st, dpt))
             pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh,
-                                          Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL,
-                                          BLOCK_M, HAS_LO, FUSE=FUSE)
+                                          Sq, o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
+                                          LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M,
+                                          HAS_LO, FUSE=FUSE)
             dv, dk, pt, dst = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst))
             # tile t-1's slot is free
             _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
@@ -203,8 +222,8 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
             _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
                       q_start, Sq, BLOCK_M, STAGES, VARLEN)
             pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
-                                  offset, span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, BLOCK_M, HAS_LO,
-                                  FUSE=FUSE)
+                                  offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA,
+                                  col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE)
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES),
                                dv, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, t, BLOCK_M, D, STAGES),
@@ -229,13 +248,15 @@ def _split_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M: gl.conste
 
 @gluon.jit
 def _split_product(st, dpt, acc, q_ring, do_ring, t, n_mt, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq,
-                   o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA, col_s: gl.constexpr, CAUSAL: gl.constexpr,
-                   HAS_WL: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_M: gl.constexpr,
+                   o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA,
+                   col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                   HAS_ALIBI: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_M: gl.constexpr,
                    D: gl.constexpr, STAGES: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr, PART: gl.constexpr):
     """Tile t's P^T (dS^T) from its scores, and dV += P^T dO (dK += dS^T Q) issued.  PART 1's
     dS^T (from S^T standing in for dP^T) is never used, so the compiler drops it and its delta."""
     pt, dst = _tile_grads(st, dpt, t, n_mt, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset,
-                          span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, BLOCK_M, HAS_LO, FUSE=FUSE)
+                          span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL,
+                          HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE)
     if PART == 1:
         acc = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES), acc,
                             is_async=True)
@@ -247,8 +268,9 @@ def _split_product(st, dpt, acc, q_ring, do_ring, t, n_mt, n_masked, n_lfull, mt
 
 @gluon.jit
 def _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, T, n_mt_div, n_masked, n_lfull, mt_lo,
-                 b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA,
-                 col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, op_layout: gl.constexpr,
+                 b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, scale, softcap, SL,
+                 stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s: gl.constexpr, CAUSAL: gl.constexpr,
+                 HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, op_layout: gl.constexpr,
                  dtype: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                  VARLEN: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr, PART: gl.constexpr):
     """One of dV (PART 1: sum of P^T dO, from S^T alone) and dK (PART 2: sum of dS^T Q) over the
@@ -262,8 +284,9 @@ def _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, 
     else:
         st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
     acc = _split_product(st, dpt, acc, q_ring, do_ring, 0, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b,
-                         stride_lh, Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL,
-                         op_layout, dtype, BLOCK_M, D, STAGES, HAS_LO, FUSE, PART)
+                         stride_lh, Sq, o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE,
+                         LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, op_layout, dtype, BLOCK_M, D,
+                         STAGES, HAS_LO, FUSE, PART)
     for t in range(1, T):
         st, dpt = _split_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES, PART)
         # also retires tile t-1's product: its slot is free
@@ -275,8 +298,9 @@ def _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, 
         _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
                   q_start, Sq, BLOCK_M, STAGES, VARLEN)
         acc = _split_product(st, dpt, acc, q_ring, do_ring, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b,
-                             stride_lh, Sq, o_n, offset, span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL,
-                             op_layout, dtype, BLOCK_M, D, STAGES, HAS_LO, FUSE, PART)
+                             stride_lh, Sq, o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE,
+                             LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, op_layout, dtype, BLOCK_M, D,
+                             STAGES, HAS_LO, FUSE, PART)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     return acc
 
@@ -284,9 +308,10 @@ def _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, 
 @gluon.jit
 def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                               stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
-                              span, qk_scale, scale, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, BLOCK_M: gl.constexpr,
-                              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
-                              VARLEN: gl.constexpr, HAS_LO: gl.constexpr, LO_PASS: gl.constexpr,
+                              span, qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, CAUSAL: gl.constexpr,
+                              HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                              PIPE: gl.constexpr, VARLEN: gl.constexpr, HAS_LO: gl.constexpr, LO_PASS: gl.constexpr,
                               FAR_READY: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV of one key block.  With lse_lo (HAS_LO) a call is two launches of this kernel:
     the first (LO_PASS=False) serves every program whose GQA group has no row far from 0
@@ -301,26 +326,27 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
         if gl.load(FAR + gl.program_id(1)) != 0:
             _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                         stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span,
-                        qk_scale, scale, CAUSAL, HAS_WL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, True, False, False,
-                        PART, num_warps)
+                        qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, CAUSAL, HAS_WL, HAS_SOFTCAP,
+                        HAS_ALIBI, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, True, False, False, PART, num_warps)
     else:
         _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh,
                     CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale,
-                    CAUSAL, HAS_WL, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY, PART,
-                    num_warps)
+                    softcap, SLOPES, stride_sb, stride_sh, right, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M,
+                    BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY, PART, num_warps)
 
 
 @gluon.jit
 def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh, CU_Q,
-                CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale,
-                CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale, softcap,
+                SLOPES, stride_sb, stride_sh, right, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr,
                 SCAN: gl.constexpr, FAR_READY: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):
     """The kernel's program: USE_LO subtracts lse_lo in the loop; SCAN leaves the loop to the
     second launch where the group has a far row, and writes FAR (FAR_READY: reads it, as the dQ
     kernel wrote it)."""
     dtype: gl.constexpr = q_desc.dtype
-    FUSE: gl.constexpr = fused_score(dtype)  # P's exponent fused from the product (rounding.py)
+    FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)  # (rounding.py)
     pid = gl.program_id(0)  # causal: the first key blocks see the most queries, so run first
     bh = gl.program_id(1)
     Hkv = Hq // group
@@ -330,6 +356,8 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
                                                    bottom_right, VARLEN)
     row_b = b.to(gl.int64) * stride_lb + q_start  # lse / delta rows of this sequence (head 0)
+    SL = SLOPES + b * stride_sb  # ALiBi: this sequence's slopes (read per head, `_dst_tile`)
+    alibi_off = offset - right  # (the forward's)
 
     # S^T / dP^T: [keys, queries], one warp per 16 keys; dK / dV: [keys, D]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -406,16 +434,17 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
         if T > 0:
             dk, dv = _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div,
                                  n_masked, n_lfull, mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset,
-                                 span, qk_scale, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, op_layout, dtype, BLOCK_M,
-                                 D, STAGES, PIPE, VARLEN, USE_LO, FUSE)
+                                 span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s,
+                                 CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, op_layout, dtype, BLOCK_M, D, STAGES, PIPE,
+                                 VARLEN, USE_LO, FUSE)
     else:
         acc = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
         v_t = k_t if PART == 1 else v_smem.reshape([BLOCK_N, D])  # (PART 1 never reads it)
         if T > 0:
             acc = _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, T, n_mt_div, n_masked,
                                n_lfull, mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, span, qk_scale,
-                               LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, op_layout, dtype, BLOCK_M, D, STAGES, VARLEN,
-                               USE_LO, FUSE, PART)
+                               scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL,
+                               HAS_SOFTCAP, HAS_ALIBI, op_layout, dtype, BLOCK_M, D, STAGES, VARLEN, USE_LO, FUSE, PART)
 
     mbarrier.invalidate(kv_bar)
     invalidate_barriers(bars, STAGES)
@@ -438,14 +467,24 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
 
 
 @gluon.jit
-def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
-             CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LO: gl.constexpr,
-             FUSE: gl.constexpr = False):
-    """dS ([queries, keys], float32) of one key tile."""
-    x = exponent(s, qk_scale, lse2[:, None], FUSE)  # the forward's score, exactly (rounding.py)
+def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope, alibi_off,
+             s_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+             BLOCK_N: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
+             HAS_ALIBI: gl.constexpr = False):
+    """dS ([queries, keys], float32) of one key tile; with softcap, with respect to the raw
+    product (dS * (1 - t^2))."""
+    MOD: gl.constexpr = HAS_SOFTCAP or HAS_ALIBI
+    if MOD:  # the forward's score, exactly (scores.py)
+        o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s2, t = modified_score(s, o_m[:, None], o_n[None, :], qk_scale, scale, softcap, slope, alibi_off, HAS_SOFTCAP,
+                               HAS_ALIBI)
+        x = s2 - lse2[:, None]
+    else:
+        x = exponent(s, qk_scale, lse2[:, None], FUSE)  # the forward's score, exactly (rounding.py)
     if MASKED:  # keys past Sk (zero-filled: dS K would still mix their scores in), the causal diagonal
         # or the window's left edge
-        o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if not MOD:
+            o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = o_n[None, :] < Sk
         if CAUSAL:
             keep = keep & (o_n[None, :] <= o_m[:, None] + offset)
@@ -455,15 +494,19 @@ def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, s_layo
     if HAS_LO:
         x = x - lo[:, None]
     p = gl.exp2(x)
-    return p * (dp - delta[:, None])
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return ds
 
 
 @gluon.jit
 def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_lo, n_tiles, n_lfull, n_full, b,
-              hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, s_layout: gl.constexpr,
-              op_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr,
-              HAS_WL: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr):
+              hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, scale, softcap, slope, alibi_off,
+              s_layout: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr, CAUSAL: gl.constexpr,
+              HAS_WL: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+              HAS_ALIBI: gl.constexpr):
     """dQ (float32, unscaled) over the n_tiles > 0 key tiles n_lo + [0, n_tiles) (`key_window`):
     the kernel's main loop."""
     wait(k_bars, 0, STAGES)
@@ -475,11 +518,13 @@ def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_z
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     load_rows(v_desc, v_ring, v_bars, V_STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
     if (n_full > 0) & (n_lfull <= 0):
-        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, s_layout, False, CAUSAL,
-                      HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE)
+        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
+                      alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
+                      HAS_ALIBI=HAS_ALIBI)
     else:
-        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, s_layout, True, CAUSAL,
-                      HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE)
+        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
+                      alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
+                      HAS_ALIBI=HAS_ALIBI)
     ds = gl.convert_layout(ds.to(dtype), op_layout)
     for j in range(1, n_tiles):
         wait(k_bars, j, STAGES)
@@ -493,11 +538,13 @@ def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_z
         s, dp = warpgroup_mma_wait(1, deps=(s, dp))
         load_rows(v_desc, v_ring, v_bars, j + V_STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
         if (j < n_full) & (j >= n_lfull):
-            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, s_layout,
-                              False, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE)
+            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
+                              softcap, slope, alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE,
+                              HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
         else:
-            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, s_layout,
-                              True, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE)
+            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
+                              softcap, slope, alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE,
+                              HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
         dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
         load_rows(k_desc, k_ring, k_bars, j - 1 + STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
         ds = gl.convert_layout(ds_new.to(dtype), op_layout)
@@ -510,8 +557,9 @@ def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_z
 @gluon.jit
 def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh,
                             CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span,
-                            qk_scale, scale, O, DLSE, stride_ob, stride_os, stride_oh, CAUSAL: gl.constexpr,
-                            HAS_WL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                            qk_scale, scale, O, DLSE, stride_ob, stride_os, stride_oh, softcap, SLOPES, stride_sb,
+                            stride_sh, right, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                            HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                             STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr,
                             DELTA_HERE: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_LO: gl.constexpr,
                             FAR_OUT: gl.constexpr, num_warps: gl.constexpr):
@@ -519,11 +567,16 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
     with a row far from 0 sets FAR[b * Hkv + hk] (zeroed by the caller), the answer the dK/dV
     kernel's first launch would otherwise scan the group's lse for (`_lo_needed`)."""
     dtype: gl.constexpr = q_desc.dtype
-    FUSE: gl.constexpr = fused_score(dtype)  # P's exponent fused from the product (rounding.py)
+    FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)  # (rounding.py)
     b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
     far_at = FAR + b * (Hq // group) + hk  # the dK/dV kernel's program_id(1), before `sequence` maps b
     b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
                                                    bottom_right, VARLEN)
+    alibi_off = offset - right  # (the forward's)
+    if HAS_ALIBI:
+        slope = gl.load(SLOPES + b * stride_sb + h * stride_sh)
+    else:
+        slope = 0.0
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -589,12 +642,14 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
             lo_here = False
         if lo_here:
             dq = _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_lo, n_tiles,
-                           n_lfull, n_full, b, hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, s_layout,
-                           op_layout, dtype, BLOCK_N, D, STAGES, V_STAGES, VARLEN, CAUSAL, HAS_WL, True, FUSE)
+                           n_lfull, n_full, b, hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, scale,
+                           softcap, slope, alibi_off, s_layout, op_layout, dtype, BLOCK_N, D, STAGES, V_STAGES, VARLEN,
+                           CAUSAL, HAS_WL, True, FUSE, HAS_SOFTCAP, HAS_ALIBI)
         else:
             dq = _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_lo, n_tiles,
-                           n_lfull, n_full, b, hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, s_layout,
-                           op_layout, dtype, BLOCK_N, D, STAGES, V_STAGES, VARLEN, CAUSAL, HAS_WL, False, FUSE)
+                           n_lfull, n_full, b, hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, scale,
+                           softcap, slope, alibi_off, s_layout, op_layout, dtype, BLOCK_N, D, STAGES, V_STAGES, VARLEN,
+                           CAUSAL, HAS_WL, False, FUSE, HAS_SOFTCAP, HAS_ALIBI)
 
     mbarrier.invalidate(q_bar)
     invalidate_barriers(k_bars, STAGES)

@@ -34,27 +34,41 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_block,
                        sequence, slot, wait)
 from .rounding import LN2, LOG2E, exponent, fused_score, mul_rn
+from .scores import modified_score
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, span, qk_scale, s_layout: gl.constexpr, MASKED: gl.constexpr,
-                  CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, BLOCK_N: gl.constexpr, FUSE: gl.constexpr = False):
-    """One tile's online-softmax update: (p, alpha, m_new, l_new) in log2 units."""
-    if MASKED:  # keys past Sk (zero-filled by TMA), past the causal diagonal or before the window
+def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, span, qk_scale, scale, softcap, slope, alibi_off,
+                  s_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                  BLOCK_N: gl.constexpr, FUSE: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
+                  HAS_ALIBI: gl.constexpr = False):
+    """One tile's online-softmax update: (p, alpha, m_new, l_new) in log2 units.  With softcap or
+    ALiBi the scores are formed first (`scores.modified_score`) and the max taken over them."""
+    MOD: gl.constexpr = HAS_SOFTCAP or HAS_ALIBI
+    if MASKED or MOD:
         o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if MOD:
+        s, _ = modified_score(s, o_m[:, None], o_n[None, :], qk_scale, scale, softcap, slope, alibi_off, HAS_SOFTCAP,
+                              HAS_ALIBI)
+    if MASKED:  # keys past Sk (zero-filled by TMA), past the causal diagonal or before the window
         keep = o_n[None, :] < Sk
         if CAUSAL:
             keep = keep & (o_n[None, :] <= o_m[:, None] + offset)
         if HAS_WL:
             keep = keep & (o_n[None, :] >= o_m[:, None] + (offset - span))
         s = gl.where(keep, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    if MOD:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    if MASKED:  # a row with nothing visible so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
         m_shift = m_new
-    p = gl.exp2(exponent(s, qk_scale, m_shift[:, None], FUSE))  # the max's exponent: 0, or its product's rounding
+    if MOD:
+        p = gl.exp2(s - m_shift[:, None])
+    else:
+        p = gl.exp2(exponent(s, qk_scale, m_shift[:, None], FUSE))  # the max's exponent: 0, or its product's rounding
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
@@ -62,20 +76,28 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, span, qk_scale, s_layout: gl
 
 @gluon.jit
 def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb, stride_lh, CU_Q, CU_K, ORDER, Hq, Sq,
-                         Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, CAUSAL: gl.constexpr,
-                         HAS_WL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                         STAGES: gl.constexpr, V_STAGES: gl.constexpr, Q_IN_REGS: gl.constexpr, VARLEN: gl.constexpr,
-                         STORE_LO: gl.constexpr, num_warps: gl.constexpr):
+                         Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale, softcap, SLOPES,
+                         stride_sb, stride_sh, right, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                         HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                         Q_IN_REGS: gl.constexpr, VARLEN: gl.constexpr, STORE_LO: gl.constexpr,
+                         num_warps: gl.constexpr):
     # STORE_LO: also write LSE_LO (lse's strides), what the backward's lse * LOG2E misses of
     # m + log2(l) (`flashforge.ops.params`).  Visibility: key j from query i iff j <= i + offset
     # (CAUSAL: the launcher folds a window's right side into the offset) and j >= i + offset - span
-    # (HAS_WL: a window's left side)
+    # (HAS_WL: a window's left side).  HAS_SOFTCAP, HAS_ALIBI: scores as `scores.modified_score`
+    # forms them (ALiBi: SLOPES[b * stride_sb + h * stride_sh], at distances from offset - right)
     dtype: gl.constexpr = q_desc.dtype
-    FUSE: gl.constexpr = fused_score(dtype)  # P's exponent fused from the product (rounding.py)
+    FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)  # (rounding.py)
     b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
     # packed: this sequence's rows and lengths (Sq, Sk, offset become its own)
     b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
                                                    bottom_right, VARLEN)
+    alibi_off = offset - right
+    if HAS_ALIBI:
+        slope = gl.load(SLOPES + b * stride_sb + h * stride_sh)
+    else:
+        slope = 0.0
 
     # one warp per 16 rows (a warpgroup per 64); the MMA's N is the whole tile
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -127,11 +149,13 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
         s = warpgroup_mma_wait(0, deps=(s, ))
         load_rows(k_desc, k_ring, k_bars, STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
         if (n_full > 0) & (n_lfull <= 0):
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, s_layout,
-                                               False, CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, scale,
+                                               softcap, slope, alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N,
+                                               FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
         else:
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, s_layout,
-                                               True, CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, scale,
+                                               softcap, slope, alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N,
+                                               FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
         p = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_tiles):
@@ -145,10 +169,14 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
             load_rows(k_desc, k_ring, k_bars, j + STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
             if (j < n_full) & (j >= n_lfull):
                 p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span,
-                                                       qk_scale, s_layout, False, CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE)
+                                                       qk_scale, scale, softcap, slope, alibi_off, s_layout, False,
+                                                       CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
+                                                       HAS_ALIBI=HAS_ALIBI)
             else:
                 p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span,
-                                                       qk_scale, s_layout, True, CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE)
+                                                       qk_scale, scale, softcap, slope, alibi_off, s_layout, True,
+                                                       CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
+                                                       HAS_ALIBI=HAS_ALIBI)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
             load_rows(v_desc, v_ring, v_bars, j - 1 + V_STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES,
                       VARLEN)

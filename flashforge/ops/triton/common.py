@@ -102,15 +102,17 @@ def score_tile(qk, i2, j2, b, h, Sq, Sk, off, win_left, win_right, scale, softca
     both (see `full_key_range`); a user mask is always applied.
     slope: the ALiBi slope of (b, h), read only when HAS_ALIBI.
     """
+    # each product rounded once and never fused into the next add (`mul_rn`), so the Gluon
+    # kernels (ops/gluon/scores.py) form the same s2 and either family recomputes the other's P
     if HAS_SOFTCAP:
         t = tanh(qk * (scale / softcap))
-        s2 = t * (softcap * LOG2E)
+        s2 = mul_rn(t, softcap * LOG2E)
     else:
         s2 = mul_rn(qk, scale * LOG2E)
         t = s2
     if HAS_ALIBI:
         # -slope * |i + off - j|, in log2 units
-        s2 = s2 - (slope * LOG2E) * tl.abs((i2 + off - j2).to(tl.float32))
+        s2 = s2 - mul_rn(tl.abs((i2 + off - j2).to(tl.float32)), slope * LOG2E)
     m_in = (i2 < Sq) & (j2 < Sk)
     if HAS_MASK:
         p_mask = (MASK + tl.cast(b, tl.int64) * stride_mb + h * stride_mh
