@@ -79,7 +79,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    rows = [run_row(*r) for r in ROWS]
+    rows = []
+    for r in ROWS:  # each row printed as it lands (a device call may end first)
+        rows.append(run_row(*r))
+        print(json.dumps(rows[-1]), flush=True)
     print(f"{'row':42} {'pass':8} {'gluon':>7} {'portable':>9} {'ratio':>6}  rel.diff")
     for r in rows:
         for p in ("fwd", "fwdbwd"):
