@@ -74,8 +74,10 @@ if [[ " $PARTS " == *" tests "* ]]; then
     echo "== pytest ${workers[*]:+${workers[*]} }$* (limit ${lim}s)"
     t0=$SECONDS
     if [ "$lim" -gt 0 ]; then
-        # SIGINT: pytest stops where it is and still prints its summary and writes the junit file
-        timeout -s INT -k 30 "$lim" "$PY" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
+        # SIGINT: pytest stops where it is and still prints its summary and writes the junit file.
+        # One inductor compile thread: with a pool, a worker's exit can wait up to 300 s for it
+        # (RESULTS v0.8.8: every test had reported when the limit cut such a wait, summary unprinted)
+        TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 30 "$lim" "$PY" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
             --junitxml="$OUT_DIR/junit-gpu.xml" "$@" > "$OUT_DIR/pytest.log" 2>&1
         RC[tests]=$?
     else
