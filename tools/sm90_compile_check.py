@@ -198,7 +198,6 @@ def record(quick: bool):
     # softcap and ALiBi (Gluon on sm_90: `scores.modified_score`), alone, together, with a window
     run(D=128, softcap=30.0, window_right=0)
     run(D=64, alibi_slopes=torch.rand(2, 4), window_left=50, window_right=0, dtype=torch.float16)
-    run(D=256, softcap=20.0, alibi_slopes=torch.rand(4).expand(2, 4))
     for D in (64, 128):  # without lse_lo (the backward kernels' HAS_LO=False variants)
         run(D=D, window_right=0, lo=False)
     run(D=128, window_right=0, dropout_p=0.1, seed=3)
@@ -244,7 +243,7 @@ def record(quick: bool):
     cu = torch.tensor([0, 150, 256], dtype=torch.int32)
     for D in (64, 128, 256):
         for causal in (dict(), dict(window_right=0, offset_bottom_right=True),
-                       dict(window_left=70, window_right=0, offset_bottom_right=True, softcap=10.0)):
+                       dict(window_left=70, window_right=0, offset_bottom_right=True)):
             run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
                 **causal)
     run(mask=torch.randn(2, 1, 128, 128), softcap=5.0)
