@@ -11,12 +11,12 @@ def fake_fa4_module(calls: list):
     unset: every other argument has to be passed by keyword."""
     mod = types.ModuleType("flash_attn.cute")
 
-    def flash_attn_func(q, k, v, qv=None, *, causal=False, window_size=(None, None), **rest):
+    def flash_attn_func(q, k, v, qv=None, *, causal=False, window_size=(None, None), softcap=0.0, **rest):
         assert qv is None and not rest
-        calls.append(("dense", causal, window_size))
+        calls.append(("dense", causal, window_size, softcap))
         left = window_size[0]
         o = flashforge.attention(q, k, v, causal=causal or left is not None, causal_offset="bottom_right",
-                                 window=None if left is None else (left, 0))
+                                 window=None if left is None else (left, 0), softcap=softcap)
         return o, None
 
     def flash_attn_varlen_func(q, k, v, qv=None, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -106,11 +106,13 @@ def test_compare_suite():
     """The FA4 / cuDNN table: the 24 grid rows first (a run cut short still has the geomeans), then GQA 32/8
     S = 4k causal, a causal window of 1023 at S = 16k, D = 256 (H = 8) at 4k and 16k, causal or not."""
     cases = compare_cases()
-    assert len(cases) == 24 + 2 + 2 + 8
+    assert len(cases) == 24 + 2 + 2 + 8 + 2
     assert all(c.peers == ("fa4", "cudnn") and c.suite == "compare" and c.dtype == "bfloat16" for c in cases)
-    assert [c.grid for c in cases] == [True] * 24 + [False] * 12
+    assert [c.grid for c in cases] == [True] * 24 + [False] * 14
     assert [c.mode for c in cases[:24]] == ["fwd"] * 12 + ["fwdbwd"] * 12
-    gqa, win, d256 = cases[24:26], cases[26:28], cases[28:]
+    gqa, win, d256, cap = cases[24:26], cases[26:28], cases[28:36], cases[36:]
+    assert all((c.B, c.Sq, c.Hq, c.D, c.causal, c.softcap) == (4, 4096, 16, 128, True, 30.0) for c in cap)
+    assert all(c.softcap == 0 for c in cases[:36]) and cap[0].label == "D=128 S=4k causal softcap 30"
     assert all((c.B, c.Sq, c.Hq, c.Hkv, c.D, c.causal) == (4, 4096, 32, 8, 128, True) for c in gqa)
     assert all((c.B, c.Sq, c.Hq, c.D, c.causal, c.window) == (1, 16384, 16, 128, True, 1023) for c in win)
     assert {(c.Sq, c.B, c.causal, c.mode) for c in d256} == {(s, 16384 // s, causal, m) for s in (4096, 16384)
@@ -437,10 +439,11 @@ def fresh_fa4():
     lambda: compare_cases()[13],                                      # grid, causal, fwd+bwd
     lambda: compare_cases()[25],                                      # GQA 32/8 causal, fwd+bwd
     lambda: compare_cases()[27],                                      # causal window, fwd+bwd
+    lambda: compare_cases()[37],                                      # softcap, fwd+bwd
     lambda: next(c for c in feature_cases() if c.offset),             # prefill: offset Sk - Sq
     lambda: next(c for c in varlen_cases() if c.causal and c.backward),
     lambda: decode_cases()[0],
-], ids=["grid-fwd", "grid-fwdbwd", "gqa", "window", "prefill", "varlen", "decode"])
+], ids=["grid-fwd", "grid-fwdbwd", "gqa", "window", "softcap", "prefill", "varlen", "decode"])
 def test_fa4_peer_through_a_fake_module(pick, monkeypatch, fresh_fa4):
     calls: list = []
     monkeypatch.setitem(sys.modules, "flash_attn.cute", fake_fa4_module(calls))
@@ -449,6 +452,9 @@ def test_fa4_peer_through_a_fake_module(pick, monkeypatch, fresh_fa4):
     assert calls and calls[0][1] == (case.causal and case.mode != "decode")
     if case.window is not None:
         assert calls[0][2] == (case.window, 0)
+    if case.softcap:  # FA4 got the softcap; SDPA has none, so our PyTorch path is the reference
+        assert calls[0][3] == case.softcap
+        assert all(r["check"]["ref"] == "fp32_torch" and "softcap" in r["peer_errors"]["cudnn"] for r in rows)
     for r in rows:
         assert r["ok"], r
         assert r["peers"]["fa4"] > 0 and r["ratio_fa4"] == pytest.approx(r["ours"] / r["peers"]["fa4"])

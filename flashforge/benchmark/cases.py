@@ -36,6 +36,7 @@ class Case:
     bias: bool = False           # additive float bias [B, 1, Sq, Sk]
     bias_grad: bool = False      # ... that requires grad (its gradient is checked too)
     dropout: float = 0.0
+    softcap: float = 0.0         # tanh softcap of the scores (Gemma 2); SDPA and cuDNN have none
     deterministic: bool = False
     seqlens: Optional[tuple] = None   # varlen: lengths of the packed sequences (B of them)
     peers: tuple = STANDARD_PEERS
@@ -59,6 +60,8 @@ class Case:
                 shape += f" GQA {self.Hq}/{self.Hkv}"
             if self.causal and self.mode != "decode":
                 shape += " causal"
+        if self.softcap:
+            shape += f" softcap {self.softcap:g}"
         if self.dtype == "float32":
             shape += " fp32"
         if self.threads:

@@ -2,7 +2,8 @@
 
 Each case compares flashforge's output (forward) or output and dq, dk, dv (and dbias) (forward+backward)
 with a reference computed in the same run: the first of cuDNN, FA2, mem-efficient that ran, else SDPA's
-math backend in float32 (float32 cases: always that); decode against a float32 computation in PyTorch;
+math backend in float32 (float32 cases: always that); softcap, which SDPA has not, against our PyTorch
+path (`backend="torch"`, not the kernels) in float32; decode against a float32 computation in PyTorch;
 varlen against SDPA run one sequence at a time.  The row is `ok` when ||ours - ref|| / ||ref|| < TOL for
 every tensor.  Dropout rows are only checked for shapes and finite values.  Peers' errors against the
 same reference are recorded too.
@@ -30,6 +31,8 @@ def reference_order(case: Case) -> list:
         return ["fp32_reference"]
     if case.seqlens:
         return ["sdpa_loop"]
+    if case.softcap:
+        return ["fp32_torch"]
     if case.dtype == "float32":
         return ["math"]
     return ["cudnn", "flash", "efficient", "math"]

@@ -77,15 +77,16 @@ def fa4_impl(case: Case, inp: Inputs) -> Impl:
         raise ImportError(f"FA4 not importable: {err}")
     window = (case.window, 0) if case.window is not None else (None, None)
     causal = case.causal and case.mode != "decode"
+    extra = dict(softcap=case.softcap) if case.softcap else {}
     if case.seqlens:
         longest = max(case.seqlens)
 
         def packed(q, k, v):
             return _out(mod.flash_attn_varlen_func(q, k, v, cu_seqlens_q=inp.cu, cu_seqlens_k=inp.cu,
                                                    max_seqlen_q=longest, max_seqlen_k=longest, causal=causal,
-                                                   window_size=window))
+                                                   window_size=window, **extra))
         return Impl("fa4", packed)
 
     def fn(q, k, v):
-        return _out(mod.flash_attn_func(q, k, v, causal=causal, window_size=window))
+        return _out(mod.flash_attn_func(q, k, v, causal=causal, window_size=window, **extra))
     return Impl("fa4", fn)

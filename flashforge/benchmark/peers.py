@@ -50,7 +50,7 @@ def ours_impl(case: Case, inp: Inputs, name: str = "ours", deterministic: Option
                                                window=_window_arg(case), deterministic=det)
         return Impl(name, packed, role="ours")
     opts = dict(causal=case.causal, causal_offset=case.offset, window=_window_arg(case), dropout_p=case.dropout,
-                seed=DROPOUT_SEED if case.dropout else None, deterministic=det)
+                seed=DROPOUT_SEED if case.dropout else None, deterministic=det, softcap=case.softcap)
 
     def fn(q, k, v, bias=inp.bias):
         return flashforge.attention(q, k, v, mask=bias, **opts)
@@ -67,6 +67,8 @@ def sdpa_impl(case: Case, inp: Inputs, name: str, float32: bool = False) -> Impl
         kw["enable_gqa"] = True
 
     def fn(q, k, v, bias=inp.bias):
+        if case.softcap:
+            raise NotImplementedError("SDPA has no softcap")
         m = bias if bias is not None else mask
         if float32:
             q, k, v = q.float(), k.float(), v.float()
@@ -75,6 +77,15 @@ def sdpa_impl(case: Case, inp: Inputs, name: str, float32: bool = False) -> Impl
                                            attn_mask=m, **kw)
         return o.transpose(1, 2)
     return Impl(name, fn, _sdpa_ctx(name), timed=not float32, role="ref" if float32 else "peer")
+
+
+def torch_reference_impl(case: Case) -> Impl:
+    """Reference of the rows SDPA cannot compute (softcap): flashforge's PyTorch path (`backend="torch"`,
+    chunked torch ops, none of our kernels) on float32 copies of the inputs."""
+    def fn(q, k, v):
+        return flashforge.attention(q.float(), k.float(), v.float(), causal=case.causal, causal_offset=case.offset,
+                                    window=_window_arg(case), softcap=case.softcap, backend="torch")
+    return Impl("fp32_torch", fn, timed=False, role="ref")
 
 
 def varlen_attn_impl(case: Case, inp: Inputs) -> Impl:
@@ -191,6 +202,8 @@ def build_impls(case: Case, inp: Inputs, device: torch.device, *, flex_compiled:
     impls: list = []
     if case.seqlens:
         impls.append(sdpa_loop_impl(case, inp))
+    if case.softcap:
+        impls.append(torch_reference_impl(case))
     for name in peers:  # SDPA backends first: the first that runs is the reference
         if name in SDPA_PEERS and not case.seqlens:
             impls.append(sdpa_impl(case, inp, name))

@@ -114,8 +114,8 @@ def headdim_cases(dtype: str = "bfloat16") -> list:
 
 def compare_cases(dtype: str = "bfloat16") -> list:
     """ours beside FA4 and cuDNN only (the issue-18 table): the grid forward, then forward+backward, then
-    GQA 32/8 at S = 4k causal, a causal window of 1023 at S = 16k (cuDNN only through a dense mask) and
-    D = 256 (H = 8) at S = 4k and 16k, causal or not."""
+    GQA 32/8 at S = 4k causal, a causal window of 1023 at S = 16k (cuDNN only through a dense mask),
+    D = 256 (H = 8) at S = 4k and 16k, causal or not, and D = 128 S = 4k causal with softcap 30."""
     out = grid_cases("fwd", dtype, "compare", YARDSTICK_PEERS) + grid_cases("fwdbwd", dtype, "compare",
                                                                             YARDSTICK_PEERS)
     base = dict(suite="compare", dtype=dtype, peers=YARDSTICK_PEERS)
@@ -128,6 +128,8 @@ def compare_cases(dtype: str = "bfloat16") -> list:
         for causal in (False, True):
             for mode in ("fwd", "fwdbwd"):
                 out.append(Case(mode=mode, B=TOKENS // S, Sq=S, Sk=S, Hq=8, Hkv=8, D=256, causal=causal, **base))
+    for mode in ("fwd", "fwdbwd"):  # Gemma 2's softcap (cuDNN has none: ours / FA4)
+        out.append(Case(mode=mode, B=4, Sq=4096, Sk=4096, Hq=16, Hkv=16, D=128, causal=True, softcap=30.0, **base))
     return out
 
 
