@@ -23,7 +23,10 @@ reason, ops/gluon/attention_fwd_sm90.py):
   once dP is done, K's only after dQ += dS K).
 
 Both recompute P = exp2(S * scale * log2(e) - lse * log2(e) - lse_lo) from the forward's
-lse and its low part (HAS_LO; `flashforge.ops.params`).  delta = rowsum(o * dO) - dlse: when
+lse and its low part (HAS_LO; `flashforge.ops.params`); with softcap or ALiBi, from the scores
+`scores.modified_score` forms, as the forward does.  A sliding window bounds the tiles either
+kernel visits: the dQ kernel's key tiles as the forward's (`pipeline.key_window`), the dK/dV
+kernel's query tiles by both edges of the band.  delta = rowsum(o * dO) - dlse: when
 both kernels serve a call, the dQ kernel (run
 first) computes it for its rows and stores it for the dK/dV kernel (DELTA_HERE: no
 preprocess kernel, one launch fewer a step); otherwise the portable preprocess kernel does.
