@@ -205,7 +205,13 @@ def gluon_bwd_calls_256(request, monkeypatch):
     configs.set_config("bwd_q", 256, 2, None)
 
 
-@pytest.mark.parametrize("c, dtype", D256_CASES)
+# (with the D = 256 windows and score modifiers of the forward's cases, and a two-sided window)
+D256_BWD_CASES = D256_CASES + [p for p in WINDOW_CASES + MOD_CASES if p.values[0].D == 256] + [
+    case("Sq200-Sk456-D256-both-sides", F16, B=2, Sq=200, Sk=456, Hq=2, Hkv=1, D=256, causal_offset=100,
+         window=(90, 45))]
+
+
+@pytest.mark.parametrize("c, dtype", D256_BWD_CASES)
 def test_d256_backward_against_reference(c, dtype, gluon_bwd_calls_256):
     calls, pair = gluon_bwd_calls_256
     check_case(c, "triton", device="cuda", dtype=dtype)
@@ -281,31 +287,13 @@ BWD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("c, dtype", BWD_CASES)
+# (with the windows and score modifiers of the forward's cases)
+@pytest.mark.parametrize("c, dtype", BWD_CASES + [p for p in WINDOW_CASES + MOD_CASES if p.values[0].D <= 128])
 def test_backward_against_reference(c, dtype, gluon_bwd_calls):
     check_case(c, "triton", device="cuda", dtype=dtype)
     for kind in ("bwd_kv", "bwd_q"):  # (the table may leave one pass to the portable kernel)
         if configs.gluon_config(c.D, 2, False, (9, 0), kind) is not None:
             assert gluon_bwd_calls[kind], f"the Gluon {kind} kernel was not used"
-
-
-@pytest.mark.parametrize("c, dtype", [p for p in WINDOW_CASES + MOD_CASES if p.values[0].D <= 128])
-def test_window_and_modifier_backward_against_reference(c, dtype, gluon_bwd_calls):
-    check_case(c, "triton", device="cuda", dtype=dtype)
-    for kind in ("bwd_kv", "bwd_q"):
-        if configs.gluon_config(c.D, 2, False, (9, 0), kind) is not None:
-            assert gluon_bwd_calls[kind], f"the Gluon {kind} kernel was not used"
-
-
-@pytest.mark.parametrize("c, dtype", [p for p in WINDOW_CASES + MOD_CASES if p.values[0].D == 256] + [
-    case("Sq200-Sk456-D256-both-sides", F16, B=2, Sq=200, Sk=456, Hq=2, Hkv=1, D=256, causal_offset=100,
-         window=(90, 45))])
-def test_d256_window_and_modifier_backward_against_reference(c, dtype, gluon_bwd_calls_256):
-    calls, pair = gluon_bwd_calls_256
-    check_case(c, "triton", device="cuda", dtype=dtype)
-    for i, kind in enumerate(("bwd_kv", "bwd_q")):
-        asked = pair[i].gluon if pair is not None else configs.gluon_config(256, 2, False, (9, 0), kind) is not None
-        assert bool(calls[kind]) == asked, f"Gluon {kind} calls {calls[kind]}, wanted: {asked}"
 
 
 def test_backward_out_of_scope_takes_portable_kernels(gluon_bwd_calls):

@@ -40,8 +40,9 @@ class TileConfig:
     poly_exp2: int = 0
     # forward only, sm_90: run the Gluon kernel (ops/gluon/attention_fwd_sm90.py, asynchronous
     # wgmma: a tile's softmax overlaps the tensor cores) with block_m x block_n and num_warps,
-    # where the call is in its scope (dense 16-bit, D = Dv in {64, 128, 256}, no score modifiers);
-    # other calls with this config take the portable kernel with the same tiles
+    # where the call is in its scope (dense or packed 16-bit, D = Dv in {64, 128, 256}, no mask,
+    # bias or dropout: `gluon.attention.scope_reason`); other calls with this config take the
+    # portable kernel with the same tiles
     gluon: bool = False
     # gluon only: serve calls with at least this many keys (the portable kernel below it)
     min_keys: int = 0
