@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_block,
-                       sequence, slot, wait)
+                       sequence, slot, visible, wait)
 from .rounding import LOG2E, exponent, fused_score, mul_rn
 from .scores import modified_score
 
@@ -488,12 +488,7 @@ def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
         # or the window's left edge
         if not MOD:
             o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = o_n[None, :] < Sk
-        if CAUSAL:
-            keep = keep & (o_n[None, :] <= o_m[:, None] + offset)
-        if HAS_WL:
-            keep = keep & (o_n[None, :] >= o_m[:, None] + (offset - span))
-        x = gl.where(keep, x, float("-inf"))
+        x = gl.where(visible(o_m[:, None], o_n[None, :], Sk, offset, span, CAUSAL, HAS_WL), x, float("-inf"))
     if HAS_LO:
         x = x - lo[:, None]
     p = gl.exp2(x)

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_block,
-                       sequence, slot, wait)
+                       sequence, slot, visible, wait)
 from .rounding import LN2, LOG2E, exponent, fused_score, mul_rn
 from .scores import modified_score
 
@@ -51,12 +51,7 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, span, qk_scale, scale, softc
         s, _ = modified_score(s, o_m[:, None], o_n[None, :], qk_scale, scale, softcap, slope, alibi_off, HAS_SOFTCAP,
                               HAS_ALIBI)
     if MASKED:  # keys past Sk (zero-filled by TMA), past the causal diagonal or before the window
-        keep = o_n[None, :] < Sk
-        if CAUSAL:
-            keep = keep & (o_n[None, :] <= o_m[:, None] + offset)
-        if HAS_WL:
-            keep = keep & (o_n[None, :] >= o_m[:, None] + (offset - span))
-        s = gl.where(keep, s, float("-inf"))
+        s = gl.where(visible(o_m[:, None], o_n[None, :], Sk, offset, span, CAUSAL, HAS_WL), s, float("-inf"))
     if MOD:
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
     else:

@@ -134,6 +134,18 @@ def key_tiles(m0, Sq, Sk, offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, 
 
 
 @gluon.jit
+def visible(i2, j2, Sk, offset, span, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr):
+    """Whether key j2 < Sk is visible from query i2 (broadcastable index tensors): j <= i + offset
+    where CAUSAL, j >= i + offset - span where HAS_WL (`key_window`'s rule, element by element)."""
+    keep = j2 < Sk
+    if CAUSAL:
+        keep = keep & (j2 <= i2 + offset)
+    if HAS_WL:
+        keep = keep & (j2 >= i2 + (offset - span))
+    return keep
+
+
+@gluon.jit
 def key_window(m0, Sq, Sk, offset, span, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                HAS_WL: gl.constexpr):
     """(n_lo, n_tiles, n_lfull, n_full), tiles counted from n_lo: queries [m0, m0 + BLOCK_M) see
