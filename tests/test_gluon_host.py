@@ -250,3 +250,19 @@ def test_interpreted_call_says_so(caplog, monkeypatch):
     msgs = [r.getMessage() for r in caplog.records]
     assert "forward: portable kernel: the Triton interpreter (TRITON_INTERPRET=1)" in msgs
     assert "backward: portable kernels: the Triton interpreter (TRITON_INTERPRET=1)" in msgs
+
+
+TC = TileConfig
+
+
+@pytest.mark.parametrize("cfg, D, deterministic, ok", [
+    (TC(64, 64, 4, 3, gluon=True, fused_dq=True), 64, False, True),
+    (TC(64, 64, 4, 3, gluon=True, fused_dq=True), 64, True, False),  # atomics: never deterministic
+    (TC(64, 64, 4, 3, gluon=True), 64, False, False),  # not asked for
+    (TC(64, 64, 4, 2, gluon=True, fused_dq=True, overlap=False), 128, False, True),
+    (TC(32, 64, 4, 2, gluon=True, fused_dq=True), 64, False, False),  # dQ_t: one 64-row wgmma
+    (TC(64, 128, 8, 2, gluon=True, fused_dq=True), 64, False, False),  # one warpgroup only
+    (TC(64, 64, 4, 2, gluon=True, fused_dq=True, split_kv=True), 256, False, False),
+])
+def test_fuses_dq(cfg, D, deterministic, ok):
+    assert gluon_attention.fuses_dq(cfg, D, AttnParams(scale=1.0, deterministic=deterministic)) is ok

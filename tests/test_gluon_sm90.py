@@ -11,6 +11,7 @@ import torch
 
 import flashforge
 from flashforge.ops.gluon import attention as gluon_attention
+from flashforge.ops.params import AttnParams
 from flashforge.ops.triton import configs
 from helpers import Case, check_case
 
@@ -179,13 +180,16 @@ D256_BWD_VARIANTS = {
 
 
 def _bwd_spies(monkeypatch):
-    """{kind: [q's shape per call]} of the Gluon backward launchers, recorded from now on."""
-    calls = {"bwd_kv": [], "bwd_q": []}
+    """{kind: [q's shape per call]} of the Gluon backward launchers, recorded from now on;
+    "fused": the dK/dV calls that also computed dQ (FUSED_DQ)."""
+    calls = {"bwd_kv": [], "bwd_q": [], "fused": []}
     for kind, name in (("bwd_kv", "attention_bwd_dkdv"), ("bwd_q", "attention_bwd_dq")):
         real = getattr(gluon_attention, name)
 
         def spy(q, *args, real=real, kind=kind, **kw):
             calls[kind].append(tuple(q.shape))
+            if kw.get("dq_acc") is not None:
+                calls["fused"].append(tuple(q.shape))
             return real(q, *args, **kw)
 
         monkeypatch.setattr(gluon_attention, name, spy)
@@ -257,7 +261,17 @@ BWD_VARIANTS = {
     "kv-one-at-a-time-s3+q-128keys": (TC(64, 64, 4, 3, gluon=True, overlap=False), TC(64, 128, 4, 2, gluon=True)),
     "kv-32q+q-s3-v1": (TC(32, 64, 4, 2, gluon=True), TC(64, 64, 4, 3, gluon=True, v_stages=1)),
     "kv-overlap-s3+q-s2": (TC(64, 64, 4, 3, gluon=True), TC(64, 64, 4, 2, gluon=True)),
+    # dQ inside the dK/dV kernel (atomics; the dQ kernel serves deterministic=True calls only)
+    "kv-fused-overlap-s2": (TC(64, 64, 4, 2, gluon=True, fused_dq=True), TC(64, 64, 4, 3, gluon=True)),
+    "kv-fused-one-at-a-time-s3": (TC(64, 64, 4, 3, gluon=True, overlap=False, fused_dq=True),
+                                  TC(64, 64, 4, 3, gluon=True)),
 }
+
+
+def _fused(D: int) -> bool:
+    """Whether a default (non-deterministic) backward of head dim D fuses dQ into the dK/dV kernel."""
+    cfg = configs.gluon_config(D, 2, False, (9, 0), "bwd_kv")
+    return cfg is not None and gluon_attention.fuses_dq(cfg, D, AttnParams(scale=1.0))
 
 
 @pytest.fixture(params=list(BWD_VARIANTS), ids=list(BWD_VARIANTS))
@@ -291,9 +305,25 @@ BWD_CASES = [
 @pytest.mark.parametrize("c, dtype", BWD_CASES + [p for p in WINDOW_CASES + MOD_CASES if p.values[0].D <= 128])
 def test_backward_against_reference(c, dtype, gluon_bwd_calls):
     check_case(c, "triton", device="cuda", dtype=dtype)
-    for kind in ("bwd_kv", "bwd_q"):  # (the table may leave one pass to the portable kernel)
+    fused = _fused(c.D)
+    assert bool(gluon_bwd_calls["fused"]) == fused
+    for kind in ("bwd_kv",) if fused else ("bwd_kv", "bwd_q"):  # (the table may leave one pass to the portable kernel)
         if configs.gluon_config(c.D, 2, False, (9, 0), kind) is not None:
             assert gluon_bwd_calls[kind], f"the Gluon {kind} kernel was not used"
+    if fused:
+        assert not gluon_bwd_calls["bwd_q"], "the dQ kernel ran beside the fused dK/dV kernel"
+
+
+@pytest.mark.parametrize("c, dtype", [p for p in BWD_CASES if p.values[0].D <= 128][:4] + [
+    p for p in WINDOW_CASES + MOD_CASES if p.values[0].D <= 128][:2])
+def test_deterministic_backward_is_bitwise_and_unfused(c, dtype, gluon_bwd_calls):
+    """deterministic=True: the ordered dK/dV + dQ kernels (never the fused atomics), bitwise the
+    same on a rerun, and against the float64 reference."""
+    first = check_case(c, "triton", device="cuda", dtype=dtype, deterministic=True)
+    assert not gluon_bwd_calls["fused"]
+    again = check_case(c, "triton", device="cuda", dtype=dtype, deterministic=True)
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(first[name], again[name]), f"{name} differs between two deterministic runs"
 
 
 def test_backward_out_of_scope_takes_portable_kernels(gluon_bwd_calls):
@@ -312,9 +342,12 @@ def test_backward_matches_portable_kernels(causal, gluon_bwd_calls):
     o = flashforge.attention(*leaves, causal=causal, backend="triton")
     g1 = torch.autograd.grad(o, leaves, do, retain_graph=True)
     g2 = torch.autograd.grad(o, leaves, do, retain_graph=True)
-    assert gluon_bwd_calls["bwd_kv"] and gluon_bwd_calls["bwd_q"]
+    assert gluon_bwd_calls["bwd_kv"] and (gluon_bwd_calls["bwd_q"] or gluon_bwd_calls["fused"])
     for a, b in zip(g1, g2):
-        assert torch.equal(a, b)
+        if gluon_bwd_calls["fused"] and a is g1[0]:  # dQ by atomics: the same to float32 rounding
+            torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+        else:
+            assert torch.equal(a, b)
     for bucket in (64, 128):
         configs.set_config("bwd_kv", bucket, 2, configs.TileConfig(64, 128, 8, 2))
         configs.set_config("bwd_q", bucket, 2, configs.TileConfig(128, 64, 8, 2))
@@ -419,7 +452,8 @@ def test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies):
     assert gluon_spies["fwd"] == (configs.gluon_config(D, 2, "causal" in kw, (9, 0)) is not None)
     for kind in ("bwd_q", "bwd_kv"):
         g = configs.gluon_config(D, 2, False, (9, 0), kind)
-        assert gluon_spies[kind] == (g is not None and gluon_attention.bwd_tiles_fit(kind, g, D))
+        serves = g is not None and gluon_attention.bwd_tiles_fit(kind, g, D)
+        assert gluon_spies[kind] == (serves and not (kind == "bwd_q" and _fused(D)))
 
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     outs, lses = [], []

@@ -200,6 +200,7 @@ def record(quick: bool):
     run(D=64, alibi_slopes=torch.rand(2, 4), window_left=50, window_right=0, dtype=torch.float16)
     for D in (64, 128):  # without lse_lo (the backward kernels' HAS_LO=False variants)
         run(D=D, window_right=0, lo=False)
+        run(D=D, window_right=0, deterministic=True)  # (the dQ kernel where the table fuses dQ)
     run(D=128, window_right=0, dropout_p=0.1, seed=3)
     run(dropout_p=0.1, seed_tensor=torch.tensor(7))  # unseeded: the seed is read on the device
     # the forward with K/V through tensor descriptors (TMA), opt-in per tile config
@@ -225,7 +226,9 @@ def record(quick: bool):
                      dict(block_n=128), dict(v_stages=1, num_stages=3),
                      # two warpgroups per program: 128 resident keys (dK/dV) or queries (dQ)
                      dict(block_m=128, block_n=128, num_warps=8, overlap=False),
-                     dict(block_m=64, block_n=128, num_warps=8, overlap=False)):
+                     dict(block_m=64, block_n=128, num_warps=8, overlap=False),
+                     # dQ inside the dK/dV kernel (FUSED_DQ), overlapped and one tile at a time
+                     dict(fused_dq=True), dict(fused_dq=True, overlap=False, num_stages=3)):
             launchers.get_config = lambda kind, d, e, interpret, over=over, **kw: replace(
                 configs.gluon_config(d, e, False, cap, kind) or configs.TileConfig(64, 64, 4, 2, gluon=True), **over) \
                 if kind.startswith("bwd") else real_get(kind, d, e, False, **kw)

@@ -229,6 +229,16 @@ def bwd_tiles_fit(kind: str, cfg, head_dim: int) -> bool:
     return (cfg.block_n if kind == "bwd_kv" else cfg.block_m) == 16 * cfg.num_warps
 
 
+def fuses_dq(cfg, head_dim: int, params: AttnParams) -> bool:
+    """Whether the dK/dV kernel with tiles `cfg` also computes dQ (FUSED_DQ: dQ_t = dS K added to
+    a float32 accumulator by atomics, no dQ kernel, no second S and dP per tile): the table asks
+    for it (`fused_dq`), the call does not ask to be deterministic (atomics add in a varying
+    order), one launch computes dK and dV (no split_kv), and the query tiles are one wgmma tall
+    (64 rows for the warpgroup's dQ_t)."""
+    return (cfg.fused_dq and not params.deterministic and not cfg.split_kv and head_dim <= 128
+            and cfg.num_warps == 4 and cfg.block_m == 64)
+
+
 @functools.lru_cache(maxsize=None)
 def _layout(rank=4):
     """The shared-memory layout of every tile (128-byte swizzle, 16-bit), built once per rank."""
@@ -294,11 +304,12 @@ def far_flags(q, k, params: AttnParams, lse_lo):
 
 
 def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None, lse_lo=None,
-                       far=None):
+                       far=None, dq_acc=None):
     """dK, dV [B, Sk, Hkv, D] for a call in the Gluon backward's scope (`bwd_call_in_scope`,
     `bwd_tiles_fit`); delta from the preprocess kernel or the dQ kernel; `inputs`: `input_descriptors`
     with this cfg, or None to build them; `far`: `far_flags` as the dQ kernel filled them, or None
-    for this kernel to find them."""
+    for this kernel to find them.  With `dq_acc` (zeroed float32 in q's shape; only where
+    `fuses_dq`), the kernel also adds dQ into it."""
     dkdv, _ = _bwd_kernels()
     Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -314,13 +325,16 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
         far = lse if lse_lo is None else torch.empty(B * Hkv, device=lse.device, dtype=torch.int32)
     args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dk, cfg.block_n), desc(dv, cfg.block_n), lse,
             lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
-            Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod)
+            Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod,
+            *((lse, 0, 0, 0) if dq_acc is None else
+              (dq_acc, 0 if params.is_varlen else dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2))))
     # split_kv: dV (PART 1), then dK (PART 2); the second part's scan finds what the first's did
     for part in (1, 2) if cfg.split_kv else (0,):
         for second in ((False,) if lse_lo is None else (False, True)):
             launch(dkdv, grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_M=cfg.block_m,
                    BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen,
-                   HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, PART=part, num_warps=cfg.num_warps)
+                   HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, PART=part,
+                   FUSED_DQ=dq_acc is not None, num_warps=cfg.num_warps)
     return dk, dv
 
 

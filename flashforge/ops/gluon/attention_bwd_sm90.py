@@ -175,20 +175,107 @@ def _tile_grads(st, dpt, t, n_mt, n_masked, n_lfull, mt_lo, hk, group, row_b, st
 
 
 @gluon.jit
+def _stage_ds(dst, ds_smem, dtype: gl.constexpr):
+    """FUSED_DQ: tile's dS^T [keys, queries] into shared memory, where it is the A operand of both
+    dK += dS^T Q and (transposed) dQ_t = dS K."""
+    ds_smem.store(dst.to(dtype))
+    fence_async_shared()
+
+
+@gluon.jit
+def _dq_add(dq, t, n_mt, mt_lo, hk, group, DQ, dq_b, stride_dqs, stride_dqh, Sq, scale, dq_layout: gl.constexpr,
+            BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """FUSED_DQ: tile t's dQ_t = dS K (unscaled, [queries, D]) added, scaled, into the float32
+    dQ accumulator of its head's rows, by atomics (their order varies: deterministic=True never
+    takes this path); rows past the sequence's end (dS 0 there) are not touched."""
+    g = t // n_mt
+    m0 = (mt_lo + t - g * n_mt) * BLOCK_M
+    h = hk * group + g
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
+    ptrs = DQ + (dq_b + h.to(gl.int64) * stride_dqh) + rows[:, None].to(gl.int64) * stride_dqs + cols[None, :]
+    gl.atomic_add(ptrs, dq * scale, mask=rows[:, None] < Sq, sem="relaxed")
+
+
+@gluon.jit
+def _serial_products(pt, dst, dv, dk, t, ds, k_t, q_ring, do_ring, bars, q_desc, do_desc, T, n_mt, mt_lo, b, hk, group,
+                     q_start, Sq, DQ, dq_b, stride_dqs, stride_dqh, scale, op_layout: gl.constexpr,
+                     dq_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                     STAGES: gl.constexpr, VARLEN: gl.constexpr):
+    """FUSED_DQ one tile at a time: tile t's dV, dK and dQ_t products, dQ_t one [BLOCK_M, DQ_N]
+    column part at a time (dq_layout's shape), each added before the next; then tile t's slot refills."""
+    DQ_N: gl.constexpr = dq_layout.instr_shape[1]
+    _stage_ds(dst, ds, dtype)
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES), dv,
+                       is_async=True)
+    dk = warpgroup_mma(ds, slot(q_ring, t, BLOCK_M, D, STAGES), dk, is_async=True)
+    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    for c in gl.static_range(D // DQ_N):
+        dq = warpgroup_mma(ds.permute((1, 0)), k_t.slice(c * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))  # (retires dV and dK as well: they are older)
+        _dq_add(dq, t, n_mt, mt_lo, hk, group, DQ + c * DQ_N, dq_b, stride_dqs, stride_dqh, Sq, scale, dq_layout,
+                BLOCK_M, DQ_N)
+    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t + STAGES, T, n_mt, mt_lo, b, hk, group, q_start, Sq, BLOCK_M,
+              STAGES, VARLEN)
+    return dv, dk
+
+
+@gluon.jit
 def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero, T, n_mt_div, n_masked, n_lfull, mt_lo,
                 b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh,
                 alibi_off, LSE, LSE_LO, DELTA, col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
                 HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr,
                 BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
-                HAS_LO: gl.constexpr, FUSE: gl.constexpr):
-    """dK, dV (float32, unscaled) over the T > 0 flattened query tiles: the kernel's main loop."""
+                HAS_LO: gl.constexpr, FUSE: gl.constexpr, ds_smem, DQ, dq_b, stride_dqs, stride_dqh,
+                dq_layout: gl.constexpr, FUSED_DQ: gl.constexpr):
+    """dK, dV (float32, unscaled) over the T > 0 flattened query tiles: the kernel's main loop.
+    FUSED_DQ: each tile's dS^T goes through `ds_smem`, the A operand of dK's product and of
+    dQ_t = dS K, which `_dq_add` adds into DQ once the tile's products are retired."""
     # tile 0: its S^T, dP^T alone, so each loop below always has a tile's P^T, dS^T in hand
     st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, 0, s_zero, BLOCK_M, D, STAGES)
     st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
     pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset,
                           span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL,
                           HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE)
-    if PIPE:
+    if FUSED_DQ:
+        dq_zero = gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout)
+    if PIPE and FUSED_DQ:
+        # as below, with dS^T staged in shared memory (two slots: tile t's is written while tile
+        # t-1's products still read the other) and dQ_t added once tile t-1's products retire
+        pt = gl.convert_layout(pt.to(dtype), op_layout)
+        _stage_ds(dst, ds_smem.index(0), dtype)
+        for t in range(1, T):
+            st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
+            ds = ds_smem.index((t - 1) % 2)
+            dv = warpgroup_mma(pt, slot(do_ring, t - 1, BLOCK_M, D, STAGES), dv, is_async=True)
+            dk = warpgroup_mma(ds, slot(q_ring, t - 1, BLOCK_M, D, STAGES), dk, is_async=True)
+            dq = warpgroup_mma(ds.permute((1, 0)), k_t, dq_zero, use_acc=False, is_async=True)
+            # S^T_t and dP^T_t are done (the older groups); dV, dK, dQ of tile t-1 may still run
+            st, dpt = warpgroup_mma_wait(3, deps=(st, dpt))
+            pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh,
+                                          Sq, o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
+                                          LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M,
+                                          HAS_LO, FUSE=FUSE)
+            _stage_ds(dst_new, ds_smem.index(t % 2), dtype)
+            pt_new = gl.convert_layout(pt_new.to(dtype), op_layout)
+            dv, dk, dq, pt = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt))
+            _dq_add(dq, t - 1, n_mt_div, mt_lo, hk, group, DQ, dq_b, stride_dqs, stride_dqh, Sq, scale, dq_layout,
+                    BLOCK_M, D)
+            # tile t-1's slot is free
+            _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
+                      q_start, Sq, BLOCK_M, STAGES, VARLEN)
+            pt = pt_new
+        last = T - 1
+        ds = ds_smem.index(last % 2)
+        dv = warpgroup_mma(pt, slot(do_ring, last, BLOCK_M, D, STAGES), dv, is_async=True)
+        dk = warpgroup_mma(ds, slot(q_ring, last, BLOCK_M, D, STAGES), dk, is_async=True)
+        dq = warpgroup_mma(ds.permute((1, 0)), k_t, dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        _dq_add(dq, last, n_mt_div, mt_lo, hk, group, DQ, dq_b, stride_dqs, stride_dqh, Sq, scale, dq_layout, BLOCK_M,
+                D)
+    elif PIPE:
         pt = gl.convert_layout(pt.to(dtype), op_layout)
         dst = gl.convert_layout(dst.to(dtype), op_layout)
         for t in range(1, T):
@@ -211,6 +298,22 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
         dv = warpgroup_mma(pt, slot(do_ring, last, BLOCK_M, D, STAGES), dv, is_async=True)
         dk = warpgroup_mma(dst, slot(q_ring, last, BLOCK_M, D, STAGES), dk, is_async=True)
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    elif FUSED_DQ:
+        # one tile at a time, and dQ_t in DQ_N-column parts, each added before the next is issued
+        # (the fewest live registers: dK and dV, one part; another program on the SM fills the gaps)
+        ds = ds_smem.index(0)
+        dv, dk = _serial_products(pt, dst, dv, dk, 0, ds, k_t, q_ring, do_ring, bars, q_desc, do_desc, T, n_mt_div,
+                                  mt_lo, b, hk, group, q_start, Sq, DQ, dq_b, stride_dqs, stride_dqh, scale, op_layout,
+                                  dq_layout, dtype, BLOCK_M, D, STAGES, VARLEN)
+        for t in range(1, T):
+            st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
+            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+            pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
+                                  offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA,
+                                  col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE)
+            dv, dk = _serial_products(pt, dst, dv, dk, t, ds, k_t, q_ring, do_ring, bars, q_desc, do_desc, T,
+                                      n_mt_div, mt_lo, b, hk, group, q_start, Sq, DQ, dq_b, stride_dqs, stride_dqh,
+                                      scale, op_layout, dq_layout, dtype, BLOCK_M, D, STAGES, VARLEN)
     else:
         # one tile at a time (fewer live registers; another program on the SM fills the gaps):
         # tile t's dV, dK products run while tile t+1's slot is awaited and its S^T, dP^T issued
@@ -311,11 +414,13 @@ def _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, 
 @gluon.jit
 def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                               stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
-                              span, qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, CAUSAL: gl.constexpr,
-                              HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                              PIPE: gl.constexpr, VARLEN: gl.constexpr, HAS_LO: gl.constexpr, LO_PASS: gl.constexpr,
-                              FAR_READY: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):
+                              span, qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, DQ, stride_dqb,
+                              stride_dqs, stride_dqh, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+                              VARLEN: gl.constexpr, HAS_LO: gl.constexpr, LO_PASS: gl.constexpr,
+                              FAR_READY: gl.constexpr, PART: gl.constexpr, FUSED_DQ: gl.constexpr,
+                              num_warps: gl.constexpr):
     """dK, dV of one key block.  With lse_lo (HAS_LO) a call is two launches of this kernel:
     the first (LO_PASS=False) serves every program whose GQA group has no row far from 0
     (`_lo_needed`) and records the answer in FAR[b * Hkv + hk]; the second (LO_PASS=True)
@@ -324,27 +429,32 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     the loop's registers (176-200 B of stack at D = 128) and the causal kernel ran ~12% slower
     on every call, far rows or not.  PART 0 computes dK and dV; past D = 128, where two float32
     [keys, D] accumulators do not fit in registers, a call launches it with PART 1 (dV only) and
-    then PART 2 (dK only), one accumulator each, at the cost of one more K Q^T per tile."""
+    then PART 2 (dK only), one accumulator each, at the cost of one more K Q^T per tile.
+    FUSED_DQ (PART 0, 64-query tiles): the program also adds each tile's dQ_t = dS K, scaled, into
+    the float32 DQ ([B, Sq, Hq, D] strides stride_dqb/s/h) by atomics, and no dQ kernel runs."""
     if LO_PASS:
         if gl.load(FAR + gl.program_id(1)) != 0:
             _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                         stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span,
-                        qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, CAUSAL, HAS_WL, HAS_SOFTCAP,
-                        HAS_ALIBI, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, True, False, False, PART, num_warps)
+                        qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, DQ, stride_dqb, stride_dqs,
+                        stride_dqh, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN,
+                        True, False, False, PART, FUSED_DQ, num_warps)
     else:
         _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh,
                     CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale,
-                    softcap, SLOPES, stride_sb, stride_sh, right, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M,
-                    BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY, PART, num_warps)
+                    softcap, SLOPES, stride_sb, stride_sh, right, DQ, stride_dqb, stride_dqs, stride_dqh, CAUSAL,
+                    HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY,
+                    PART, FUSED_DQ, num_warps)
 
 
 @gluon.jit
 def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh, CU_Q,
                 CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale, softcap,
-                SLOPES, stride_sb, stride_sh, right, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
-                HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr,
-                SCAN: gl.constexpr, FAR_READY: gl.constexpr, PART: gl.constexpr, num_warps: gl.constexpr):
+                SLOPES, stride_sb, stride_sh, right, DQ, stride_dqb, stride_dqs, stride_dqh, CAUSAL: gl.constexpr,
+                HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
+                USE_LO: gl.constexpr, SCAN: gl.constexpr, FAR_READY: gl.constexpr, PART: gl.constexpr,
+                FUSED_DQ: gl.constexpr, num_warps: gl.constexpr):
     """The kernel's program: USE_LO subtracts lse_lo in the loop; SCAN leaves the loop to the
     second launch where the group has a far row, and writes FAR (FAR_READY: reads it, as the dQ
     kernel wrote it)."""
@@ -368,6 +478,10 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    # FUSED_DQ: dQ_t [queries, DQ_N] parts (the whole D overlapped; one tile at a time, 64 columns)
+    DQ_N: gl.constexpr = D if PIPE else min(D, 64)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, DQ_N, 16])
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -397,6 +511,13 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
         v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    if FUSED_DQ:  # one tile's dS^T, the A operand of dK's and dQ_t's products
+        ds_smem = gl.allocate_shared_memory(dtype, [2 if PIPE else 1, BLOCK_N, BLOCK_M], gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        dq_b = b.to(gl.int64) * stride_dqb + stride_dqs.to(gl.int64) * q_start  # this sequence's first row
+    else:
+        ds_smem = k_smem
+        dq_b = 0
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -439,7 +560,7 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
                                  n_masked, n_lfull, mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset,
                                  span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s,
                                  CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, op_layout, dtype, BLOCK_M, D, STAGES, PIPE,
-                                 VARLEN, USE_LO, FUSE)
+                                 VARLEN, USE_LO, FUSE, ds_smem, DQ, dq_b, stride_dqs, stride_dqh, dq_layout, FUSED_DQ)
     else:
         acc = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
         v_t = k_t if PART == 1 else v_smem.reshape([BLOCK_N, D])  # (PART 1 never reads it)

@@ -307,7 +307,9 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     offsets = params.offset_tensor if params.offset_tensor is not None else q  # (q: a placeholder pointer)
     order = _longest_first(params, offsets)
     delta = torch.empty_like(lse)
-    if g_kv is not None and g_q is not None and o.stride(-1) == 1:  # the common dense case
+    # the Gluon dK/dV kernel computes dQ too (atomics: not when asked to be deterministic)
+    gluon_fused = g_kv is not None and gluon_attention.fuses_dq(g_kv, max(D, Dv), params)
+    if g_kv is not None and g_q is not None and o.stride(-1) == 1 and not gluon_fused:  # the common dense case
         shared = None
         if (g_kv.block_m, g_kv.block_n) == (g_q.block_m, g_q.block_n):
             shared = gluon_attention.input_descriptors(q, k, v, do, params, g_kv)
@@ -340,7 +342,9 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     # to be deterministic); else the dQ kernel recomputes the scores per query block
     fused = cfg_kv.fused_dq and not params.deterministic and g_kv is None and g_q is None
     if g_kv is not None:
-        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order, lse_lo=lse_lo)
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if gluon_fused else None
+        dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order, lse_lo=lse_lo,
+                                                    dq_acc=dq_acc)
     else:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -354,7 +358,9 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
                 HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv),
                 FUSED_DQ=fused and part != 1, HAS_LO=lse_lo is not None, PART=part,
             )
-    if fused:
+    if gluon_fused:
+        dq = dq_acc.to(q.dtype)  # (scaled in the kernel)
+    elif fused:
         dq = dq_acc.mul_(params.scale).to(q.dtype)
     elif g_q is not None:
         dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order, lse_lo=lse_lo)

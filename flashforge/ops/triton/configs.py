@@ -28,7 +28,7 @@ class TileConfig:
     # forward only: warp-specialize the interior key loop (tl.range(..., warp_specialize=True))
     ws: bool = False
     # bwd_kv only: the dK/dV kernel also accumulates dQ (float32 atomics) and the dQ kernel
-    # is skipped; ignored when deterministic=True.  Off until measured.
+    # is skipped; ignored when deterministic=True (the Gluon kernel: `gluon.attention.fuses_dq`)
     fused_dq: bool = False
     # bwd_kv only: dV and dK in two launches of the dK/dV kernel (PART 1, 2), each program
     # holding one float32 [block_n, D] accumulator instead of two; costs one more q k^T product
@@ -121,7 +121,8 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     ("bwd_kv_gluon", 128, 2): TileConfig(64, 64, 4, 2, gluon=True, overlap=False),
     # D = 64 dK/dV (v0.8.2): Gluon, 355 against the portable kernel's 363 before lse_lo, which the
     # portable kernel subtracts for every score and the Gluon one only where rows need it
-    ("bwd_kv_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
+    # fused_dq: dQ by atomics inside it (no dQ kernel; deterministic=True calls keep the dQ kernel)
+    ("bwd_kv_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True, fused_dq=True),
     ("bwd_q_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
     ("bwd_q_gluon", 128, 2): TileConfig(64, 64, 4, 3, gluon=True, v_stages=1),
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),

@@ -1,0 +1,102 @@
+"""The Gluon backward with dQ inside the dK/dV kernel (atomics) against the ordered pair of
+kernels (dK/dV, then dQ), in one process (sm_90).
+
+    PYTHONPATH=. python benchmarks/profile/fused_dq_gpu.py [--json PATH]
+
+Each row runs a training step (forward + backward) and the backward alone, bf16, PERF.md's
+shapes (16k tokens, H * D = 2048), twice with the same dK/dV tiles: deterministic=True (the
+ordered kernels: 7 products per tile pair, dQ's scores recomputed) and deterministic=False
+(fused: 5 products, dQ added in float32 by atomics).  It prints TFLOP/s (flash-attn's FLOP
+count: `flashforge.benchmark.flops`), the ratio, and the largest difference between the two
+runs' gradients relative to their largest entry.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton
+
+import flashforge
+from flashforge.benchmark.flops import visible_pairs
+from flashforge.ops.triton import configs
+
+TC = configs.TileConfig
+# (label, S, D, causal, window, Hkv divisor, dK/dV tiles or None for the table's)
+ROWS = [
+    ("D64 S1k causal", 1024, 64, True, None, 1, None),
+    ("D64 S4k", 4096, 64, False, None, 1, None),
+    ("D64 S4k causal", 4096, 64, True, None, 1, None),
+    ("D64 S16k causal", 16384, 64, True, None, 1, None),
+    ("D64 S4k causal one-at-a-time", 4096, 64, True, None, 1, TC(64, 64, 4, 3, gluon=True, overlap=False,
+                                                                 fused_dq=True)),
+    ("D64 S4k causal GQA 4", 4096, 64, True, None, 4, None),
+    ("D64 S16k causal window 1023", 16384, 64, True, 1023, 1, None),
+    ("D128 S4k causal one-at-a-time", 4096, 128, True, None, 1, TC(64, 64, 4, 2, gluon=True, overlap=False,
+                                                                   fused_dq=True)),
+    ("D128 S16k one-at-a-time", 16384, 128, False, None, 1, TC(64, 64, 4, 2, gluon=True, overlap=False,
+                                                               fused_dq=True)),
+    ("D128 S4k causal overlapped", 4096, 128, True, None, 1, TC(64, 64, 4, 2, gluon=True, fused_dq=True)),
+]
+
+
+def run_row(label, S, D, causal, window, gdiv, kv):
+    B, H = 16384 // S, 2048 // D
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, S, H // gdiv, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fwd_flops = 4.0 * B * H * D * visible_pairs(S, S, causal, 0, window)
+    out = {"row": label}
+    grads = {}
+    if kv is not None:
+        configs.set_config("bwd_kv", D, 2, kv)
+    try:
+        for name, det in (("ordered", True), ("fused", False)):
+            kw = dict(causal=causal, window=None if window is None else (window, -1), backend="triton",
+                      deterministic=det)
+            o = flashforge.attention(*leaves, **kw)
+            grads[name] = torch.autograd.grad(o, leaves, do, retain_graph=True)
+            ms_b = triton.testing.do_bench(lambda: torch.autograd.grad(o, leaves, do, retain_graph=True),
+                                           return_mode="median")
+
+            def step():
+                torch.autograd.grad(flashforge.attention(*leaves, **kw), leaves, do)
+
+            ms_fb = triton.testing.do_bench(step, return_mode="median")
+            out[name] = {"bwd": 2.5 * fwd_flops / ms_b / 1e9, "fwdbwd": 3.5 * fwd_flops / ms_fb / 1e9}
+    finally:
+        configs.set_config("bwd_kv", D, 2, None)
+    out["rel_diff"] = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+                          for a, b in zip(grads["fused"], grads["ordered"]))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for r in ROWS:  # each row printed as it lands (a device call may end first)
+        rows.append(run_row(*r))
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"{'row':34} {'pass':7} {'fused':>6} {'ordered':>8} {'ratio':>6}  rel.diff")
+    for r in rows:
+        for p in ("bwd", "fwdbwd"):
+            f, o = r["fused"][p], r["ordered"][p]
+            print(f"{r['row']:34} {p:7} {f:6.0f} {o:8.0f} {f / o:6.2f}  {r['rel_diff']:.1e}")
+    geo = {p: math.exp(sum(math.log(r["fused"][p] / r["ordered"][p]) for r in rows) / len(rows))
+           for p in ("bwd", "fwdbwd")}
+    print(f"geomean fused / ordered: bwd {geo['bwd']:.2f}, fwd+bwd {geo['fwdbwd']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "geomean": geo}, f, indent=1)
+    bad = [r["row"] for r in rows if r["rel_diff"] > 2e-2]
+    if bad:
+        raise SystemExit(f"fused and ordered gradients disagree on: {bad}")
+
+
+if __name__ == "__main__":
+    main()
