@@ -269,8 +269,10 @@ BWD_VARIANTS = {
 
 
 def _fused(D: int) -> bool:
-    """Whether a default (non-deterministic) backward of head dim D fuses dQ into the dK/dV kernel."""
-    cfg = configs.gluon_config(D, 2, False, (9, 0), "bwd_kv")
+    """Whether a default (non-deterministic) backward of head dim D fuses dQ into the dK/dV kernel
+    (the launcher's choice: an override with gluon=True, else the table's Gluon entry)."""
+    cfg = configs.get_config("bwd_kv", D, 2, False, arch=(9, 0))
+    cfg = cfg if cfg.gluon else configs.gluon_config(D, 2, False, (9, 0), "bwd_kv")
     return cfg is not None and gluon_attention.fuses_dq(cfg, D, AttnParams(scale=1.0))
 
 

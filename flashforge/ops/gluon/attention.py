@@ -234,9 +234,19 @@ def fuses_dq(cfg, head_dim: int, params: AttnParams) -> bool:
     a float32 accumulator by atomics, no dQ kernel, no second S and dP per tile): the table asks
     for it (`fused_dq`), the call does not ask to be deterministic (atomics add in a varying
     order), one launch computes dK and dV (no split_kv), and the query tiles are one wgmma tall
-    (64 rows for the warpgroup's dQ_t)."""
-    return (cfg.fused_dq and not params.deterministic and not cfg.split_kv and head_dim <= 128
-            and cfg.num_warps == 4 and cfg.block_m == 64)
+    (64 rows: dQ_t's; with two warpgroups, 128 keys, each computes half of its columns); overlapped
+    tiles (`overlap`) for D = 64 only, and a Triton with the copy engine's reduce."""
+    return (cfg.fused_dq and not params.deterministic and not cfg.split_kv and cfg.num_warps in (4, 8)
+            and cfg.block_m == 64 and (head_dim == 64 if cfg.overlap else head_dim <= 128) and _reduce_ready())
+
+
+@functools.lru_cache(maxsize=None)
+def _reduce_ready() -> bool:
+    try:
+        from .pipeline import tma_reduce_ready
+    except ImportError:
+        return False
+    return tma_reduce_ready()
 
 
 @functools.lru_cache(maxsize=None)
@@ -287,6 +297,20 @@ def _unchecked_descriptor(t, shape, strides, block_shape, layout):
     return d
 
 
+DQ_COLS = 32  # attention_bwd_sm90's DQ_N: float32 columns per 128-byte swizzle row
+
+
+def dq_descriptor(dq_acc, params: AttnParams):
+    """The float32 dQ accumulator's descriptor for the fused dK/dV kernel's reduce-adds: [1, 64, 1,
+    DQ_COLS] boxes (dense, or ragged when packed), 128-byte swizzled as the kernel stages them."""
+    layout = _kernel()[1].NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
+                                            rank=5 if params.is_varlen else 4)
+    if params.is_varlen:
+        shape, strides = ragged_shape_strides(dq_acc)
+        return _unchecked_descriptor(dq_acc, shape, strides, [1, 1, 64, 1, DQ_COLS], layout)
+    return _unchecked_descriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 64, 1, DQ_COLS], layout)
+
+
 def input_descriptors(q, k, v, do, params: AttnParams, cfg):
     """The descriptors of (q, k, v, dO) with `cfg`'s boxes: both backward kernels read them, so
     with equal tiles one set serves both (four fewer to build and a step's host time shorter)."""
@@ -326,8 +350,7 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dk, cfg.block_n), desc(dv, cfg.block_n), lse,
             lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
             Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod,
-            *((lse, 0, 0, 0) if dq_acc is None else
-              (dq_acc, 0 if params.is_varlen else dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2))))
+            desc(dk, cfg.block_n) if dq_acc is None else dq_descriptor(dq_acc, params))
     # split_kv: dV (PART 1), then dK (PART 2); the second part's scan finds what the first's did
     for part in (1, 2) if cfg.split_kv else (0,):
         for second in ((False,) if lse_lo is None else (False, True)):

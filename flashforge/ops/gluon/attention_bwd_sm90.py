@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_block,
-                       sequence, slot, visible, wait)
+                       reduce_out, sequence, slot, visible, wait)
 from .rounding import LOG2E, exponent, fused_score, mul_rn
 from .scores import modified_score
 
@@ -183,39 +183,40 @@ def _stage_ds(dst, ds_smem, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _dq_add(dq, t, n_mt, mt_lo, hk, group, DQ, dq_b, stride_dqs, stride_dqh, Sq, scale, dq_layout: gl.constexpr,
-            BLOCK_M: gl.constexpr, D: gl.constexpr):
-    """FUSED_DQ: tile t's dQ_t = dS K (unscaled, [queries, D]) added, scaled, into the float32
-    dQ accumulator of its head's rows, by atomics (their order varies: deterministic=True never
-    takes this path); rows past the sequence's end (dS 0 there) are not touched."""
+def _dq_out(dq, c, t, n_mt, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M: gl.constexpr,
+            DQ_N: gl.constexpr, VARLEN: gl.constexpr):
+    """FUSED_DQ: columns [c * DQ_N, (c + 1) * DQ_N) of tile t's dQ_t = dS K (unscaled), scaled,
+    through shared-memory buffer c into the float32 dQ accumulator of its head's rows by the copy
+    engine's reduce-add (bulk, asynchronous; the order of the programs' adds varies, so
+    deterministic=True never takes this path).  Rows past the sequence's end are not touched.
+    The caller waits (`tma.store_wait`) until the buffer's previous reduce has read it."""
     g = t // n_mt
     m0 = (mt_lo + t - g * n_mt) * BLOCK_M
     h = hk * group + g
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
-    ptrs = DQ + (dq_b + h.to(gl.int64) * stride_dqh) + rows[:, None].to(gl.int64) * stride_dqs + cols[None, :]
-    gl.atomic_add(ptrs, dq * scale, mask=rows[:, None] < Sq, sem="relaxed")
+    buf = dq_smem.index(c)
+    buf.reshape([BLOCK_M, DQ_N]).store(dq * scale)
+    fence_async_shared()
+    reduce_out(dq_desc, b, m0, h, c * DQ_N, q_start, Sq, buf, VARLEN)
 
 
 @gluon.jit
 def _serial_products(pt, dst, dv, dk, t, ds, k_t, q_ring, do_ring, bars, q_desc, do_desc, T, n_mt, mt_lo, b, hk, group,
-                     q_start, Sq, DQ, dq_b, stride_dqs, stride_dqh, scale, op_layout: gl.constexpr,
-                     dq_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
-                     STAGES: gl.constexpr, VARLEN: gl.constexpr):
+                     q_start, Sq, dq_desc, dq_smem, scale, op_layout: gl.constexpr, dq_layout: gl.constexpr,
+                     dtype: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                     VARLEN: gl.constexpr, DQ_N: gl.constexpr):
     """FUSED_DQ one tile at a time: tile t's dV, dK and dQ_t products, dQ_t one [BLOCK_M, DQ_N]
-    column part at a time (dq_layout's shape), each added before the next; then tile t's slot refills."""
-    DQ_N: gl.constexpr = dq_layout.instr_shape[1]
+    column part at a time, each handed to the copy engine before the next; then tile t's slot refills."""
     _stage_ds(dst, ds, dtype)
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES), dv,
                        is_async=True)
     dk = warpgroup_mma(ds, slot(q_ring, t, BLOCK_M, D, STAGES), dk, is_async=True)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    tma.store_wait(0)  # the previous tile's reduces have read their buffers
     for c in gl.static_range(D // DQ_N):
         dq = warpgroup_mma(ds.permute((1, 0)), k_t.slice(c * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False,
                            is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))  # (retires dV and dK as well: they are older)
-        _dq_add(dq, t, n_mt, mt_lo, hk, group, DQ + c * DQ_N, dq_b, stride_dqs, stride_dqh, Sq, scale, dq_layout,
-                BLOCK_M, DQ_N)
+        _dq_out(dq, c, t, n_mt, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M, DQ_N, VARLEN)
     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
     _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t + STAGES, T, n_mt, mt_lo, b, hk, group, q_start, Sq, BLOCK_M,
               STAGES, VARLEN)
@@ -228,11 +229,11 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
                 alibi_off, LSE, LSE_LO, DELTA, col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
                 HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr,
                 BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
-                HAS_LO: gl.constexpr, FUSE: gl.constexpr, ds_smem, DQ, dq_b, stride_dqs, stride_dqh,
-                dq_layout: gl.constexpr, FUSED_DQ: gl.constexpr):
+                HAS_LO: gl.constexpr, FUSE: gl.constexpr, ds_smem, dq_desc, dq_smem, dq_layout: gl.constexpr,
+                FUSED_DQ: gl.constexpr, DQ_N: gl.constexpr):
     """dK, dV (float32, unscaled) over the T > 0 flattened query tiles: the kernel's main loop.
     FUSED_DQ: each tile's dS^T goes through `ds_smem`, the A operand of dK's product and of
-    dQ_t = dS K, which `_dq_add` adds into DQ once the tile's products are retired."""
+    dQ_t = dS K, which `_dq_out` adds into dQ once the tile's products are retired."""
     # tile 0: its S^T, dP^T alone, so each loop below always has a tile's P^T, dS^T in hand
     st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, 0, s_zero, BLOCK_M, D, STAGES)
     st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
@@ -240,29 +241,37 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
                           span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL,
                           HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE)
     if FUSED_DQ:
-        dq_zero = gl.zeros([BLOCK_M, D], gl.float32, layout=dq_layout)
+        dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     if PIPE and FUSED_DQ:
         # as below, with dS^T staged in shared memory (two slots: tile t's is written while tile
-        # t-1's products still read the other) and dQ_t added once tile t-1's products retire
+        # t-1's products still read the other) and dQ_t, in two column parts, handed to the copy
+        # engine once tile t-1's products retire
+        gl.static_assert(D == 2 * DQ_N, "overlapped FUSED_DQ: dQ_t in two column parts")
         pt = gl.convert_layout(pt.to(dtype), op_layout)
         _stage_ds(dst, ds_smem.index(0), dtype)
+        k_lo = k_t.slice(0, DQ_N, dim=1)
+        k_hi = k_t.slice(DQ_N, DQ_N, dim=1)
         for t in range(1, T):
             st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
             ds = ds_smem.index((t - 1) % 2)
             dv = warpgroup_mma(pt, slot(do_ring, t - 1, BLOCK_M, D, STAGES), dv, is_async=True)
             dk = warpgroup_mma(ds, slot(q_ring, t - 1, BLOCK_M, D, STAGES), dk, is_async=True)
-            dq = warpgroup_mma(ds.permute((1, 0)), k_t, dq_zero, use_acc=False, is_async=True)
+            dq0 = warpgroup_mma(ds.permute((1, 0)), k_lo, dq_zero, use_acc=False, is_async=True)
+            dq1 = warpgroup_mma(ds.permute((1, 0)), k_hi, dq_zero, use_acc=False, is_async=True)
             # S^T_t and dP^T_t are done (the older groups); dV, dK, dQ of tile t-1 may still run
-            st, dpt = warpgroup_mma_wait(3, deps=(st, dpt))
+            st, dpt = warpgroup_mma_wait(4, deps=(st, dpt))
             pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh,
                                           Sq, o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
                                           LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M,
                                           HAS_LO, FUSE=FUSE)
             _stage_ds(dst_new, ds_smem.index(t % 2), dtype)
             pt_new = gl.convert_layout(pt_new.to(dtype), op_layout)
-            dv, dk, dq, pt = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt))
-            _dq_add(dq, t - 1, n_mt_div, mt_lo, hk, group, DQ, dq_b, stride_dqs, stride_dqh, Sq, scale, dq_layout,
-                    BLOCK_M, D)
+            dv, dk, dq0, dq1, pt = warpgroup_mma_wait(0, deps=(dv, dk, dq0, dq1, pt))
+            tma.store_wait(0)  # tile t-2's reduces have read their buffers
+            _dq_out(dq0, 0, t - 1, n_mt_div, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M, DQ_N,
+                    VARLEN)
+            _dq_out(dq1, 1, t - 1, n_mt_div, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M, DQ_N,
+                    VARLEN)
             # tile t-1's slot is free
             _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
                       q_start, Sq, BLOCK_M, STAGES, VARLEN)
@@ -271,10 +280,14 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
         ds = ds_smem.index(last % 2)
         dv = warpgroup_mma(pt, slot(do_ring, last, BLOCK_M, D, STAGES), dv, is_async=True)
         dk = warpgroup_mma(ds, slot(q_ring, last, BLOCK_M, D, STAGES), dk, is_async=True)
-        dq = warpgroup_mma(ds.permute((1, 0)), k_t, dq_zero, use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        _dq_add(dq, last, n_mt_div, mt_lo, hk, group, DQ, dq_b, stride_dqs, stride_dqh, Sq, scale, dq_layout, BLOCK_M,
-                D)
+        dq0 = warpgroup_mma(ds.permute((1, 0)), k_lo, dq_zero, use_acc=False, is_async=True)
+        dq1 = warpgroup_mma(ds.permute((1, 0)), k_hi, dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq0, dq1 = warpgroup_mma_wait(0, deps=(dv, dk, dq0, dq1))
+        tma.store_wait(0)
+        _dq_out(dq0, 0, last, n_mt_div, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M, DQ_N,
+                VARLEN)
+        _dq_out(dq1, 1, last, n_mt_div, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M, DQ_N,
+                VARLEN)
     elif PIPE:
         pt = gl.convert_layout(pt.to(dtype), op_layout)
         dst = gl.convert_layout(dst.to(dtype), op_layout)
@@ -303,8 +316,8 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
         # (the fewest live registers: dK and dV, one part; another program on the SM fills the gaps)
         ds = ds_smem.index(0)
         dv, dk = _serial_products(pt, dst, dv, dk, 0, ds, k_t, q_ring, do_ring, bars, q_desc, do_desc, T, n_mt_div,
-                                  mt_lo, b, hk, group, q_start, Sq, DQ, dq_b, stride_dqs, stride_dqh, scale, op_layout,
-                                  dq_layout, dtype, BLOCK_M, D, STAGES, VARLEN)
+                                  mt_lo, b, hk, group, q_start, Sq, dq_desc, dq_smem, scale, op_layout, dq_layout,
+                                  dtype, BLOCK_M, D, STAGES, VARLEN, DQ_N)
         for t in range(1, T):
             st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
@@ -312,8 +325,8 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
                                   offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA,
                                   col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE)
             dv, dk = _serial_products(pt, dst, dv, dk, t, ds, k_t, q_ring, do_ring, bars, q_desc, do_desc, T,
-                                      n_mt_div, mt_lo, b, hk, group, q_start, Sq, DQ, dq_b, stride_dqs, stride_dqh,
-                                      scale, op_layout, dq_layout, dtype, BLOCK_M, D, STAGES, VARLEN)
+                                      n_mt_div, mt_lo, b, hk, group, q_start, Sq, dq_desc, dq_smem, scale, op_layout,
+                                      dq_layout, dtype, BLOCK_M, D, STAGES, VARLEN, DQ_N)
     else:
         # one tile at a time (fewer live registers; another program on the SM fills the gaps):
         # tile t's dV, dK products run while tile t+1's slot is awaited and its S^T, dP^T issued
@@ -414,8 +427,8 @@ def _split_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, acc, s_zero, 
 @gluon.jit
 def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                               stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
-                              span, qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, DQ, stride_dqb,
-                              stride_dqs, stride_dqh, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                              span, qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, dq_desc,
+                              CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
                               HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
                               VARLEN: gl.constexpr, HAS_LO: gl.constexpr, LO_PASS: gl.constexpr,
@@ -431,26 +444,25 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     [keys, D] accumulators do not fit in registers, a call launches it with PART 1 (dV only) and
     then PART 2 (dK only), one accumulator each, at the cost of one more K Q^T per tile.
     FUSED_DQ (PART 0, 64-query tiles): the program also adds each tile's dQ_t = dS K, scaled, into
-    the float32 DQ ([B, Sq, Hq, D] strides stride_dqb/s/h) by atomics, and no dQ kernel runs."""
+    a float32 dQ accumulator through dq_desc (TMA reduce-add, [1, 64, 1, DQ_N] boxes), and no dQ
+    kernel runs."""
     if LO_PASS:
         if gl.load(FAR + gl.program_id(1)) != 0:
             _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                         stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span,
-                        qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, DQ, stride_dqb, stride_dqs,
-                        stride_dqh, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN,
+                        qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, dq_desc, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN,
                         True, False, False, PART, FUSED_DQ, num_warps)
     else:
         _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh,
                     CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale,
-                    softcap, SLOPES, stride_sb, stride_sh, right, DQ, stride_dqb, stride_dqs, stride_dqh, CAUSAL,
-                    HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY,
+                    softcap, SLOPES, stride_sb, stride_sh, right, dq_desc, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY,
                     PART, FUSED_DQ, num_warps)
 
 
 @gluon.jit
 def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh, CU_Q,
                 CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale, softcap,
-                SLOPES, stride_sb, stride_sh, right, DQ, stride_dqb, stride_dqs, stride_dqh, CAUSAL: gl.constexpr,
+                SLOPES, stride_sb, stride_sh, right, dq_desc, CAUSAL: gl.constexpr,
                 HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
                 USE_LO: gl.constexpr, SCAN: gl.constexpr, FAR_READY: gl.constexpr, PART: gl.constexpr,
@@ -478,10 +490,12 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    # FUSED_DQ: dQ_t [queries, DQ_N] parts (the whole D overlapped; one tile at a time, 64 columns)
-    DQ_N: gl.constexpr = D if PIPE else min(D, 64)
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, DQ_N, 16])
+    # FUSED_DQ: dQ_t in [queries, DQ_N] column parts, DQ_N = the float32 columns of one 128-byte
+    # swizzle row, which bounds a TMA box's; with two warpgroups (128 keys) each takes half a part's
+    # columns, summing over all 128 keys
+    DQ_N: gl.constexpr = 32
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                        instr_shape=[16, DQ_N // (num_warps // 4), 16])
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -514,10 +528,11 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     if FUSED_DQ:  # one tile's dS^T, the A operand of dK's and dQ_t's products
         ds_smem = gl.allocate_shared_memory(dtype, [2 if PIPE else 1, BLOCK_N, BLOCK_M], gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=16, rank=2))
-        dq_b = b.to(gl.int64) * stride_dqb + stride_dqs.to(gl.int64) * q_start  # this sequence's first row
+        # dQ_t's column parts, float32, on their way to the copy engine's reduce (`_dq_out`)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [D // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
     else:
         ds_smem = k_smem
-        dq_b = 0
+        dq_smem = k_smem
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -560,7 +575,7 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
                                  n_masked, n_lfull, mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset,
                                  span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s,
                                  CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, op_layout, dtype, BLOCK_M, D, STAGES, PIPE,
-                                 VARLEN, USE_LO, FUSE, ds_smem, DQ, dq_b, stride_dqs, stride_dqh, dq_layout, FUSED_DQ)
+                                 VARLEN, USE_LO, FUSE, ds_smem, dq_desc, dq_smem, dq_layout, FUSED_DQ, DQ_N)
     else:
         acc = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
         v_t = k_t if PART == 1 else v_smem.reshape([BLOCK_N, D])  # (PART 1 never reads it)

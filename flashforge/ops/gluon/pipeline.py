@@ -13,7 +13,9 @@ A ring is STAGES shared-memory slots of boxes, one mbarrier per slot; tile j liv
 j % STAGES and its barrier completes phase (j // STAGES) & 1 when the copy lands."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton._C.libtriton import ir
 
 
 RAGGED = gl.constexpr(0x40000000)  # 2**30: the ragged descriptors' row extent (attention.ragged_shape_strides)
@@ -37,6 +39,31 @@ def copy_out(desc, b, row, h, start, length, src, VARLEN: gl.constexpr):
         tma.async_copy_shared_to_global(desc, [RAGGED, start + length, RAGGED - length + row, h, 0], src)
     else:
         tma.async_copy_shared_to_global(desc, [b, row, h, 0], src)
+
+
+@builtin
+def _reduce_add(desc, coord, src, _semantic=None):
+    # TMA's bulk reduce (cp.reduce.async.bulk.tensor .add): Triton 3.6 builds the op but its Gluon
+    # has no Python wrapper for it (`tma_reduce_ready` says whether this Triton has the builder)
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+def tma_reduce_ready() -> bool:
+    """Whether this Triton's Gluon builder has the TMA reduce `reduce_out` issues."""
+    from triton._C.libtriton import gluon_ir
+    return hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce") and hasattr(ir, "DESCRIPTOR_REDUCE_KIND")
+
+
+@gluon.jit
+def reduce_out(desc, b, row, h, col, start, length, src, VARLEN: gl.constexpr):
+    """src added (float32, by the copy engine, asynchronously: `tma.store_wait` before src is
+    rewritten) into rows [row, row + box), columns [col, col + box) of copy_in's addressing;
+    rows past the sequence's end are not touched."""
+    if VARLEN:
+        _reduce_add(desc, [RAGGED, start + length, RAGGED - length + row, h, col], src)
+    else:
+        _reduce_add(desc, [b, row, h, col], src)
 
 
 @gluon.jit
