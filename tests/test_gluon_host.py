@@ -261,8 +261,30 @@ TC = TileConfig
     (TC(64, 64, 4, 3, gluon=True), 64, False, False),  # not asked for
     (TC(64, 64, 4, 2, gluon=True, fused_dq=True, overlap=False), 128, False, True),
     (TC(32, 64, 4, 2, gluon=True, fused_dq=True), 64, False, False),  # dQ_t: one 64-row wgmma
-    (TC(64, 128, 8, 2, gluon=True, fused_dq=True), 64, False, False),  # one warpgroup only
+    (TC(64, 128, 8, 2, gluon=True, fused_dq=True), 64, False, True),  # two warpgroups, 128 keys
+    (TC(64, 128, 8, 2, gluon=True, fused_dq=True), 128, False, False),  # overlapped: D = 64 only
+    (TC(64, 64, 2, 2, gluon=True, fused_dq=True, overlap=False), 64, False, False),  # half a warpgroup
     (TC(64, 64, 4, 2, gluon=True, fused_dq=True, split_kv=True), 256, False, False),
 ])
 def test_fuses_dq(cfg, D, deterministic, ok):
     assert gluon_attention.fuses_dq(cfg, D, AttnParams(scale=1.0, deterministic=deterministic)) is ok
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_dq_descriptor_boxes_match_the_fused_kernel(packed):
+    """The fused dK/dV kernel reduces dQ_t into the float32 accumulator in [64, 32] boxes of
+    128-byte swizzled rows (its DQ_N): the descriptor's box, layout and strides must say so, with
+    the ragged addressing for a packed batch."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashforge.ops.gluon import attention_bwd_sm90  # noqa: F401  (the kernel module imports)
+    acc = torch.zeros(1 if packed else 2, 300, 4, 64)
+    p = _params(cu_seqlens_q=torch.tensor([0, 100, 300], dtype=torch.int32), max_seqlen_q=200) if packed else _params()
+    d = gluon_attention.dq_descriptor(acc, p)
+    assert d.block_shape[-1] == gluon_attention.DQ_COLS == 32 and d.block_shape[-3] == 64
+    assert d.layout.swizzle_byte_width == 128 and d.layout.element_bitwidth == 32
+    assert d.layout.rank == len(d.block_shape) == (5 if packed else 4)
+    if packed:
+        assert [list(d.shape), list(d.strides)] == [list(x) for x in gluon_attention.ragged_shape_strides(acc)]
+    else:
+        assert list(d.strides) == list(acc.stride()) and list(d.shape) == list(acc.shape)
+    assert gluon_attention.DQ_COLS * 4 == d.layout.swizzle_byte_width  # one swizzle row per box row

@@ -307,7 +307,7 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     offsets = params.offset_tensor if params.offset_tensor is not None else q  # (q: a placeholder pointer)
     order = _longest_first(params, offsets)
     delta = torch.empty_like(lse)
-    # the Gluon dK/dV kernel computes dQ too (atomics: not when asked to be deterministic)
+    # the Gluon dK/dV kernel computes dQ too (its adds come in varying order: not when asked to be deterministic)
     gluon_fused = g_kv is not None and gluon_attention.fuses_dq(g_kv, max(D, Dv), params)
     if g_kv is not None and g_q is not None and o.stride(-1) == 1 and not gluon_fused:  # the common dense case
         shared = None
