@@ -450,13 +450,14 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
         if gl.load(FAR + gl.program_id(1)) != 0:
             _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                         stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span,
-                        qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, dq_desc, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN,
-                        True, False, False, PART, FUSED_DQ, num_warps)
+                        qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, dq_desc, CAUSAL, HAS_WL,
+                        HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, True, False, False, PART,
+                        FUSED_DQ, num_warps)
     else:
         _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb, stride_lh,
                     CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale,
-                    softcap, SLOPES, stride_sb, stride_sh, right, dq_desc, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY,
-                    PART, FUSED_DQ, num_warps)
+                    softcap, SLOPES, stride_sb, stride_sh, right, dq_desc, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI,
+                    BLOCK_M, BLOCK_N, D, STAGES, PIPE, VARLEN, False, HAS_LO, FAR_READY, PART, FUSED_DQ, num_warps)
 
 
 @gluon.jit
