@@ -285,6 +285,11 @@ def test_dq_descriptor_boxes_match_the_fused_kernel(packed):
     assert d.layout.rank == len(d.block_shape) == (5 if packed else 4)
     if packed:
         assert [list(d.shape), list(d.strides)] == [list(x) for x in gluon_attention.ragged_shape_strides(acc)]
+        # float32: byte strides still multiples of 16 below 2**40, and the two leading ones still
+        # cancel at the RAGGED coordinate modulo 2**64 (4-byte elements: 2**34 * 4 * 2**30 = 2**66)
+        for st in d.strides[:-1]:
+            assert (st * 4) % 16 == 0 and 0 < st * 4 < 2**40
+        assert (d.strides[0] + d.strides[1]) * 4 * gluon_attention.RAGGED % M64 == 0
     else:
         assert list(d.strides) == list(acc.stride()) and list(d.shape) == list(acc.shape)
     assert gluon_attention.DQ_COLS * 4 == d.layout.swizzle_byte_width  # one swizzle row per box row
