@@ -121,8 +121,10 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     ("bwd_kv_gluon", 128, 2): TileConfig(64, 64, 4, 2, gluon=True, overlap=False),
     # D = 64 dK/dV (v0.8.2): Gluon, 355 against the portable kernel's 363 before lse_lo, which the
     # portable kernel subtracts for every score and the Gluon one only where rows need it
-    # (fused_dq, dQ inside this kernel, is opt-in: with per-thread atomics it measured 0.80-0.93x the
-    # pair of kernels, v0.8.9; `benchmarks/profile/fused_dq_gpu.py` compares its variants)
+    # (fused_dq, dQ inside this kernel, is opt-in: through TMA reduce-adds it measured level with the
+    # pair of kernels at S >= 4k, 0.94-1.00x a training step, and 0.65x at S = 1k, where its zeroed
+    # accumulator, conversion and delta launches weigh; D = 128 spills, 0.68-0.81x: RESULTS.md
+    # v0.8.9, `benchmarks/profile/fused_dq_gpu.py`)
     ("bwd_kv_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
     ("bwd_q_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
     ("bwd_q_gluon", 128, 2): TileConfig(64, 64, 4, 3, gluon=True, v_stages=1),
