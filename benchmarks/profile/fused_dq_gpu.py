@@ -12,7 +12,6 @@ runs' gradients relative to their largest entry.
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -21,6 +20,7 @@ import triton
 import flashforge
 from flashforge.benchmark.flops import visible_pairs
 from flashforge.ops.triton import configs
+from _rows import rel_diff, run_rows
 
 TC = configs.TileConfig
 # (label, S, D, causal, window, Hkv divisor)
@@ -72,21 +72,14 @@ def run_row(label, S, D, causal, window, gdiv):
             ms_fb = triton.testing.do_bench(step, return_mode="median")
         finally:
             configs.set_config("bwd_kv", D, 2, None)
-        diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
-                   for a, b in zip(grads[name], grads["ordered"]))
+        diff = rel_diff(grads[name], grads["ordered"])
         out["variants"][name] = {"bwd": 2.5 * fwd_flops / ms_b / 1e9, "fwdbwd": 3.5 * fwd_flops / ms_fb / 1e9,
                                  "rel_diff": diff}
     return out
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    rows = []
-    for r in ROWS:  # each row printed as it lands (a device call may end first)
-        rows.append(run_row(*r))
-        print(json.dumps(rows[-1]), flush=True)
+    rows, args = run_rows(ROWS, run_row)
     print(f"{'row':18} {'variant':28} {'bwd':>5} {'ratio':>6} {'fwdbwd':>7} {'ratio':>6}  rel.diff")
     for r in rows:
         base = r["variants"]["ordered"]

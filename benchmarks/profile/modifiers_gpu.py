@@ -11,7 +11,6 @@ outputs and gradients (both must agree to bf16 rounding).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -21,6 +20,7 @@ import triton
 import flashforge
 from flashforge.benchmark.flops import visible_pairs
 from flashforge.ops.triton import configs
+from _rows import rel_diff, run_rows
 
 ROWS = [  # (label, S, D, causal, window, softcap, alibi): 16k tokens, H * D = 2048
     ("D128 S4k causal softcap 30", 4096, 128, True, None, 30.0, False),
@@ -69,20 +69,12 @@ def run_row(label, S, D, causal, window, softcap, alibi):
         finally:
             portable(D, False)
         out[name] = {"fwd": fwd_flops / ms_f / 1e9, "fwdbwd": 3.5 * fwd_flops / ms_fb / 1e9}
-    diffs = [((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
-             for a, b in zip(results["gluon"], results["portable"])]
-    out["rel_diff"] = max(diffs)
+    out["rel_diff"] = rel_diff(results["gluon"], results["portable"])
     return out
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    rows = []
-    for r in ROWS:  # each row printed as it lands (a device call may end first)
-        rows.append(run_row(*r))
-        print(json.dumps(rows[-1]), flush=True)
+    rows, args = run_rows(ROWS, run_row)
     print(f"{'row':42} {'pass':8} {'gluon':>7} {'portable':>9} {'ratio':>6}  rel.diff")
     for r in rows:
         for p in ("fwd", "fwdbwd"):
