@@ -297,7 +297,7 @@ def _unchecked_descriptor(t, shape, strides, block_shape, layout):
     return d
 
 
-DQ_COLS = 32  # attention_bwd_sm90's DQ_N: float32 columns per 128-byte swizzle row
+DQ_COLS = 32  # float32 columns per 128-byte swizzle row: the widest box (the kernel reads its DQ_N off it)
 
 
 def dq_descriptor(dq_acc, params: AttnParams):
@@ -347,10 +347,11 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     mod, mod_flags = _modifiers(params, lse)
     if not ready:
         far = lse if lse_lo is None else torch.empty(B * Hkv, device=lse.device, dtype=torch.int32)
-    args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dk, cfg.block_n), desc(dv, cfg.block_n), lse,
+    dk_desc = desc(dk, cfg.block_n)
+    args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), dk_desc, desc(dv, cfg.block_n), lse,
             lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
             Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod,
-            desc(dk, cfg.block_n) if dq_acc is None else dq_descriptor(dq_acc, params))
+            dk_desc if dq_acc is None else dq_descriptor(dq_acc, params))  # (dk's: a placeholder, never read)
     # split_kv: dV (PART 1), then dK (PART 2); the second part's scan finds what the first's did
     for part in (1, 2) if cfg.split_kv else (0,):
         for second in ((False,) if lse_lo is None else (False, True)):

@@ -1,7 +1,7 @@
 """Hopper (sm_90) attention backward in Gluon: the dense 16-bit fast path.
 
 The same split as the portable backward (ops/triton/attention_bwd.py: FA2's, no
-atomics, so deterministic), with the products issued as asynchronous warpgroup
+atomics, so deterministic; FUSED_DQ below is the opt-in exception), with the products issued as asynchronous warpgroup
 MMAs so a tile's element-wise work overlaps the tensor cores (the forward's
 reason, ops/gluon/attention_fwd_sm90.py):
 
@@ -17,6 +17,11 @@ reason, ops/gluon/attention_fwd_sm90.py):
   Past D = 128 the two float32 [keys, D] accumulators do not fit in registers, so a call
   launches it twice (`PART` 1 then 2, `TileConfig.split_kv`): dV from S^T alone, then dK
   from S^T and dP^T, one accumulator each, at one more K Q^T per tile (`_split_tiles`).
+
+  With FUSED_DQ (opt-in, `attention.fuses_dq`; never deterministic) it also computes dQ:
+  each tile's dS^T goes through shared memory, the A operand of dK's product and, transposed,
+  of dQ_t = dS K, which the copy engine reduce-adds into a float32 accumulator; the dQ kernel
+  then does not run (5 products a tile pair instead of 7).
 
 - `attn_bwd_dq_sm90_kernel`: one warpgroup per 64 queries, Q and dO resident;
   walks the key tiles, K and V by TMA into separate rings (V's slot is free
@@ -240,13 +245,12 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
     pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset,
                           span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL,
                           HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE)
-    if FUSED_DQ:
-        dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     if PIPE and FUSED_DQ:
         # as below, with dS^T staged in shared memory (two slots: tile t's is written while tile
         # t-1's products still read the other) and dQ_t, in two column parts, handed to the copy
         # engine once tile t-1's products retire
         gl.static_assert(D == 2 * DQ_N, "overlapped FUSED_DQ: dQ_t in two column parts")
+        dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
         pt = gl.convert_layout(pt.to(dtype), op_layout)
         _stage_ds(dst, ds_smem.index(0), dtype)
         k_lo = k_t.slice(0, DQ_N, dim=1)
@@ -491,10 +495,10 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    # FUSED_DQ: dQ_t in [queries, DQ_N] column parts, DQ_N = the float32 columns of one 128-byte
-    # swizzle row, which bounds a TMA box's; with two warpgroups (128 keys) each takes half a part's
-    # columns, summing over all 128 keys
-    DQ_N: gl.constexpr = 32
+    # FUSED_DQ: dQ_t in [queries, DQ_N] column parts, DQ_N = the reduce box's width (the float32
+    # columns of one 128-byte swizzle row: `attention.dq_descriptor`); with two warpgroups (128 keys)
+    # each takes half a part's columns, summing over all 128 keys
+    DQ_N: gl.constexpr = dq_desc.block_type.shape[len(dq_desc.block_type.shape) - 1]
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                         instr_shape=[16, DQ_N // (num_warps // 4), 16])
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
