@@ -21,14 +21,28 @@ F16, BF16 = torch.float16, torch.bfloat16
 TC = configs.TileConfig
 
 
-@pytest.fixture(params=[(64, 64, 4, 2), (64, 128, 4, 2, 1), (128, 128, 8, 2)], ids=["64x64", "64x128-v1", "128x128-2wg"])
-def gluon_calls(request, monkeypatch):
-    """Forward configs that ask for the Gluon kernel (one or two warpgroups per program);
-    yields the list of its calls."""
+# forward tiles that ask for the Gluon kernels: one or two warpgroups a program, and the
+# warp-specialized kernel (a loader warp, two consumer warpgroups; with and without ping-pong)
+FWD_VARIANTS = {
+    "64x64": TC(64, 64, 4, 2, gluon=True),
+    "64x128-v1": TC(64, 128, 4, 2, gluon=True, v_stages=1),
+    "128x128-2wg": TC(128, 128, 8, 2, gluon=True),
+    "ws-n128-s2": TC(128, 128, 4, 2, gluon=True, consumers=2),
+    "ws-n64-s3-pingpong": TC(128, 64, 4, 3, gluon=True, consumers=2, pingpong=True),
+    "ws-n128-s3-v2-pingpong": TC(128, 128, 4, 3, gluon=True, v_stages=2, consumers=2, pingpong=True),
+}
+
+
+def set_forward_tiles(cfg):
     for kind in ("fwd", "fwd_causal"):
         for bucket in (64, 128):
-            configs.set_config(kind, bucket, 2, configs.TileConfig(*request.param[:4], gluon=True,
-                                                                 v_stages=request.param[4] if len(request.param) > 4 else 0))
+            configs.set_config(kind, bucket, 2, cfg)
+
+
+@pytest.fixture(params=list(FWD_VARIANTS), ids=list(FWD_VARIANTS))
+def gluon_calls(request, monkeypatch):
+    """Forward configs that ask for the Gluon kernel (FWD_VARIANTS); yields the list of its calls."""
+    set_forward_tiles(FWD_VARIANTS[request.param])
     calls = []
     real = gluon_attention.attention_forward
 
@@ -38,9 +52,7 @@ def gluon_calls(request, monkeypatch):
 
     monkeypatch.setattr(gluon_attention, "attention_forward", spy)
     yield calls
-    for kind in ("fwd", "fwd_causal"):
-        for bucket in (64, 128):
-            configs.set_config(kind, bucket, 2, None)
+    set_forward_tiles(None)
 
 
 def case(id, dtype, **kw):
@@ -451,7 +463,8 @@ def test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies):
                                          return_lse=True, backend="triton", **kw)
     do = torch.randn(o.shape, device="cuda", generator=gen).to(dtype)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
-    assert gluon_spies["fwd"] == (configs.gluon_config(D, 2, "causal" in kw, (9, 0)) is not None)
+    fwd_cfg = configs.get_config("fwd", D, 2, False, causal="causal" in kw, arch=(9, 0))
+    assert gluon_spies["fwd"] == (fwd_cfg.gluon or configs.gluon_config(D, 2, "causal" in kw, (9, 0)) is not None)
     for kind in ("bwd_q", "bwd_kv"):
         g = configs.gluon_config(D, 2, False, (9, 0), kind)
         serves = g is not None and gluon_attention.bwd_tiles_fit(kind, g, D)
@@ -475,3 +488,15 @@ def test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies):
         scale = want[finite].abs().max().item() if finite.any() else 1.0
         err = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
         assert err <= 2e-2 * max(1.0, scale), f"{name}: max error {err:.3e} (scale {scale:.2e})"
+
+
+@pytest.mark.parametrize("variant", ["ws-n128-s2", "ws-n64-s3-pingpong"])
+@pytest.mark.parametrize("shape, kw, dtype", [p for p in VARLEN_CASES if p.values[0]["D"] <= 128])
+def test_varlen_warp_specialized_forward(variant, shape, kw, dtype, gluon_spies):
+    """Packed batches through the warp-specialized forward (each program's two halves may fall
+    on either side of a sequence's end), the table's backward on its o and lse."""
+    set_forward_tiles(FWD_VARIANTS[variant])
+    try:
+        test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies)
+    finally:
+        set_forward_tiles(None)

@@ -165,6 +165,9 @@ def record(quick: bool):
     gluon = _KERNELS.setdefault("gluon_fwd", gluon_launcher._kernel())
     if gluon is not None:
         gluon_launcher._kernel = lambda: (Recorder(gluon[0], log), *gluon[1:])
+    if gluon is not None:
+        ws = _KERNELS.setdefault("gluon_ws", gluon_launcher._ws_kernel())
+        gluon_launcher._ws_kernel = lambda: Recorder(ws, log)
     gluon_bwd = _KERNELS.setdefault("gluon_bwd", gluon_launcher._bwd_kernels())
     if gluon_bwd is not None:
         gluon_launcher._bwd_kernels = lambda: tuple(Recorder(k, log) for k in gluon_bwd)
@@ -220,6 +223,9 @@ def record(quick: bool):
         for D in (64, 128):
             run(D=D, bwd=False)
             run(D=D, bwd=False, window_right=0, dtype=torch.float16)
+        # the warp-specialized forward (a loader warp, two consumer warpgroups), with and without
+        # ping-pong: plain, causal, window, softcap, ALiBi, packed
+        record_ws(run, real_get)
         # the Gluon backward's variants (the table's own run above): one tile at a time, three-slot
         # rings, 32-query tiles (dK/dV), 128-key tiles (dQ), a one-slot V ring in the dQ kernel
         for over in (dict(overlap=False), dict(num_stages=3), dict(block_m=32), dict(block_m=32, num_stages=3),
@@ -304,6 +310,32 @@ def record(quick: bool):
     launchers.attention_forward(q, kc, kc, None, replace(p, seqlens_k=p.seqlens_k.long(), seqlens_k_add=1))
     kvcache.append(kc, kc, new, new, p.seqlens_k.long(), p.block_table, None)
     return log
+
+
+def record_ws(run, real_get):
+    """The warp-specialized Gluon forward's variants (tests/test_gluon_sm90.py's WS_VARIANTS)."""
+    cu = torch.tensor([0, 150, 256], dtype=torch.int32)
+    for over in WS_VARIANTS.values():
+        launchers.get_config = lambda kind, d, e, interpret, over=over, **kw: (
+            configs.TileConfig(**over) if kind == "fwd" else real_get(kind, d, e, False, **kw))
+        for D in (64, 128):
+            run(D=D, bwd=False)
+            run(D=D, bwd=False, window_right=0, dtype=torch.float16)
+            run(D=D, bwd=False, window_left=40, window_right=0)
+            run(D=D, bwd=False, softcap=30.0, alibi_slopes=torch.rand(2, 4), window_right=0, lo=False)
+            run(B=1, Sq=256, Sk=256, D=D, bwd=False, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150,
+                max_seqlen_k=150, window_right=0, offset_bottom_right=True)
+    launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
+
+
+# the warp-specialized forward's tile variants the compile check and the GPU tests run
+WS_VARIANTS = {
+    "ws-n128-s2": dict(block_m=128, block_n=128, num_warps=4, num_stages=2, gluon=True, consumers=2),
+    "ws-n128-s2-pingpong": dict(block_m=128, block_n=128, num_warps=4, num_stages=2, gluon=True, consumers=2,
+                                pingpong=True),
+    "ws-n64-s3-pingpong": dict(block_m=128, block_n=64, num_warps=4, num_stages=3, gluon=True, consumers=2,
+                               pingpong=True),
+}
 
 
 def main():

@@ -51,6 +51,17 @@ def _kernel():
     return attn_fwd_sm90_kernel, gl, TensorDescriptor
 
 
+@functools.lru_cache(maxsize=None)
+def _ws_kernel():
+    from .attention_fwd_ws_sm90 import attn_fwd_ws_sm90_kernel
+    return attn_fwd_ws_sm90_kernel
+
+
+# the warp-specialized forward's register split (setmaxnreg): 240 for each consumer warpgroup,
+# 24 for the loader's, FA3's (the three warpgroups' 168 each at launch: 2 * 240 + 24 = 3 * 168)
+_WS_REGS = (240, 24)
+
+
 def scope_reason(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> str | None:
     """Why the Gluon kernels cannot compute this call's scores, or None where they can: sm_90,
     bf16/fp16 with D = Dv in {64, 128, 256}, dense or packed (varlen), plain, causal or windowed
@@ -101,7 +112,13 @@ def forward_reason(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]
         return reason
     if (params.max_seqlen_k if params.is_varlen else k.shape[1]) < cfg.min_keys:
         return f"fewer than the tiles' min_keys = {cfg.min_keys} keys"
-    if cfg.block_m != 16 * cfg.num_warps:
+    if cfg.consumers == 2:
+        if cfg.block_m != 128 or cfg.num_warps != 4:
+            return (f"tiles {cfg.block_m} x {cfg.block_n} with {cfg.num_warps} warps (the warp-specialized Gluon "
+                    "forward: 128 rows, 4 warps a consumer)")
+        if q.shape[3] > 128:
+            return f"D = {q.shape[3]} in the warp-specialized Gluon forward (D <= 128)"
+    elif cfg.block_m != 16 * cfg.num_warps:
         return f"tiles {cfg.block_m} x {cfg.block_n} with {cfg.num_warps} warps (Gluon: one warp per 16 rows)"
     if _kernel() is None:
         return "this Triton has no Gluon for Hopper"
@@ -188,6 +205,15 @@ def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None)
     w = _window(params)
     mod, mod_flags = _modifiers(params, lse)
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
+    if cfg.consumers == 2:  # boxes of one consumer's 64 rows
+        launch(_ws_kernel(), grid, desc(q, 64), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, 64), lse,
+               lse if lse_lo is None else lse_lo,
+               s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],
+               _qk_scale(params.scale), *mod, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags,
+               BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
+               VARLEN=params.is_varlen, STORE_LO=lse_lo is not None, PINGPONG=cfg.pingpong,
+               CONSUMER_REGS=_WS_REGS[0], LOADER_REGS=_WS_REGS[1], num_warps=4)
+        return o, lse
     launch(kernel, grid, desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m), lse,
            lse if lse_lo is None else lse_lo,
            s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],

@@ -1,0 +1,84 @@
+"""The warp-specialized Gluon forward (ops/gluon/attention_fwd_ws_sm90.py: a loader warp, two
+consumer warpgroups sharing each K/V tile) against the table's forward, in one process (sm_90).
+
+    PYTHONPATH=. python benchmarks/profile/ws_fwd_gpu.py [--json PATH]
+
+Each row runs the forward alone, bf16, PERF.md's shapes (16k tokens, H * D = 2048), once with the
+table's tiles and once per variant below (forced with `configs.set_config`).  It prints TFLOP/s
+(flash-attn's FLOP count), the ratio to the table's, and the largest difference between the two
+outputs relative to their largest entry.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+import triton
+
+import flashforge
+from flashforge.benchmark.flops import visible_pairs
+from flashforge.ops.triton import configs
+from _rows import rel_diff, run_rows
+
+TC = configs.TileConfig
+# (label, S, D, causal, window, Hkv divisor)
+ROWS = [(f"D{D} S{S // 1024}k{' causal' if c else ''}", S, D, c, None, 1)
+        for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)] + [
+    ("D128 S4k GQA 32/8 causal", 4096, 128, True, None, 4),
+    ("D128 S16k causal window 1023", 16384, 128, True, 1023, 1),
+]
+WS = dict(block_m=128, num_warps=4, gluon=True, consumers=2)
+VARIANTS = {
+    64: {"ws n128 s2": TC(block_n=128, num_stages=2, **WS),
+         "ws n128 s2 pp": TC(block_n=128, num_stages=2, pingpong=True, **WS),
+         "ws n128 s4 pp": TC(block_n=128, num_stages=4, pingpong=True, **WS),
+         "ws n64 s4 pp": TC(block_n=64, num_stages=4, pingpong=True, **WS)},
+    128: {"ws n128 s2": TC(block_n=128, num_stages=2, **WS),
+          "ws n128 s2 pp": TC(block_n=128, num_stages=2, pingpong=True, **WS),
+          "ws n128 s3v2 pp": TC(block_n=128, num_stages=3, v_stages=2, pingpong=True, **WS),
+          "ws n64 s4 pp": TC(block_n=64, num_stages=4, pingpong=True, **WS)},
+}
+
+
+def run_row(label, S, D, causal, window, gdiv):
+    B, H = 16384 // S, 2048 // D
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(B, S, H // gdiv, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    flops = 4.0 * B * H * D * visible_pairs(S, S, causal, 0, window)
+    kw = dict(causal=causal, window=None if window is None else (window, -1), backend="triton")
+    out = {"row": label, "variants": {}}
+    ref = None
+    for name, cfg in [("table", None)] + list(VARIANTS[D].items()):
+        kind = "fwd_causal" if causal else "fwd"
+        if cfg is not None:
+            configs.set_config(kind, D, 2, cfg)
+        try:
+            o = flashforge.attention(q, k, v, **kw)
+            ms = triton.testing.do_bench(lambda: flashforge.attention(q, k, v, **kw), return_mode="median")
+        finally:
+            configs.set_config(kind, D, 2, None)
+        ref = o if ref is None else ref
+        out["variants"][name] = {"fwd": flops / ms / 1e9, "rel_diff": rel_diff([o], [ref])}
+    return out
+
+
+def main():
+    rows, args = run_rows(ROWS, run_row)
+    names = ["table"] + list(VARIANTS[128])
+    print(f"\n{'row (fwd TFLOP/s, ratio to table)':30}" + "".join(f"{n:>18}" for n in ["table"] + list(VARIANTS[64])))
+    for r in rows:
+        base = r["variants"]["table"]["fwd"]
+        cells = [f"{v['fwd']:7.0f} ({v['fwd'] / base:4.2f})" for v in r["variants"].values()]
+        print(f"{r['row']:30}" + "".join(f"{c:>18}" for c in cells))
+    print("D = 128 rows' variants:", ", ".join(names))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    bad = [(r["row"], n) for r in rows for n, v in r["variants"].items() if not v["rel_diff"] <= 2e-2]
+    if bad:
+        raise SystemExit(f"outputs disagree with the table's forward on: {bad}")
+
+
+if __name__ == "__main__":
+    main()

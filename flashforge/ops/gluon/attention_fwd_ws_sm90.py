@@ -1,0 +1,268 @@
+"""Hopper (sm_90) attention forward in Gluon, warp-specialized: one loader warp, two consumer
+warpgroups sharing each key tile.
+
+Why (issue 18): `attention_fwd_sm90` runs one warpgroup of 64 query rows per program and two
+programs per SM, so each SM copies every K and V tile twice, once per program.  At D = 128 with
+128-key tiles that is 64 KB per 4.2 MFLOP of products: ~9 TB/s out of L2 at the 570 TFLOP/s
+we reach, where FA3's 128-row blocks ask half.  Here a program owns 128 query rows, one
+warpgroup (a partition, `gl.warp_specialize`) per 64, and one loader warp fills the K and V
+rings both read.  Each ring slot has a "ready" barrier the copy engine completes and an
+"empty" barrier both consumers arrive at once the products that read the slot are done, so the
+loader runs ahead by the ring's depth and no copy sits in a consumer's instruction stream.
+
+Each consumer runs `attention_fwd_sm90`'s intra-warpgroup pipeline on its own rows (S_j issued,
+then O += P_{j-1} V_{j-1}, the softmax of S_j while that product runs).  The loader fetches the
+union of the two halves' key tiles (`key_window` over 128 rows); a consumer releases the tiles
+of the union its rows do not see (a causal diagonal's, a window's edges) without computing them.
+
+PINGPONG (FA3's scheduling): the consumers take turns issuing their products, through two
+mbarriers, so one's softmax runs while the other's products occupy the tensor cores.
+
+Scope: `attention_fwd_sm90`'s (the launcher checks it) for D = Dv in {64, 128}.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .attention_fwd_sm90 import _softmax_step
+from .pipeline import copy_in, copy_out, key_window, query_block, sequence, slot, wait
+from .rounding import LN2, LOG2E, fused_score, mul_rn
+
+HALF = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma tall)
+
+
+@gluon.jit
+def _release(ready, empty, r, STAGES: gl.constexpr):
+    """Ring index r's slot, not computed by this consumer: once its copy has landed (so the
+    arrival counts toward this use of the slot, not an earlier one), hand it back."""
+    wait(ready, r, STAGES)
+    mbarrier.arrive(empty.index(r % STAGES), count=1)
+
+
+@gluon.jit
+def _turn(bars, i, n_other, ME: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: wait until it is this consumer's turn to issue products (its i-th issue), while
+    the other consumer still issues (it makes n_other issues; consumer 0 goes first)."""
+    if PINGPONG:
+        if ME == 0:
+            mbarrier.wait(bars.index(0), i & 1, pred=i <= n_other)
+        else:
+            mbarrier.wait(bars.index(1), i & 1, pred=i < n_other)
+
+
+@gluon.jit
+def _pass_turn(bars, ME: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(bars.index(1 - ME), count=1)
+
+
+@gluon.jit
+def _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h,
+              m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off,
+              ME: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+              HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+              V_STAGES: gl.constexpr, VARLEN: gl.constexpr, STORE_LO: gl.constexpr, PINGPONG: gl.constexpr):
+    """Query rows m0 + ME * 64 + [0, 64): the online softmax over their key tiles, then o and lse."""
+    dtype: gl.constexpr = o_desc.dtype
+    FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    mc = m0 + ME * HALF
+    n_lo, n_tiles, n_lfull, n_full = key_window(mc, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
+    if n_tiles <= 0:
+        n_tiles = 0
+        n_lo = u_lo + u_tiles
+    first = n_lo - u_lo  # ring index of this consumer's first tile
+    # the other consumer's issue count, for PINGPONG's turns (n_tiles + 1 each: the first tile's
+    # S alone, then S_j with P_{j-1} V_{j-1}, then the last P V alone)
+    if PINGPONG:
+        _, o_tiles, _, _ = key_window(m0 + (1 - ME) * HALF, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
+        n_other = gl.where(o_tiles > 0, o_tiles + 1, 0)
+    else:
+        n_other = 0
+
+    for r in range(0, first):
+        _release(k_ready, k_empty, r, STAGES)
+        _release(v_ready, v_empty, r, V_STAGES)
+
+    o_m = mc + gl.arange(0, HALF, layout=row_s)
+    m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([HALF], gl.float32, layout=row_s)
+    acc = gl.zeros([HALF, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    q = q_smem.reshape([HALF, D])
+
+    if n_tiles > 0:
+        wait(k_ready, first, STAGES)
+        _turn(turn, 0, n_other, ME, PINGPONG)
+        s = warpgroup_mma(q, slot(k_ring, first, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        _pass_turn(turn, ME, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(first % STAGES), count=1)
+        if (n_full > 0) & (n_lfull <= 0):
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, scale,
+                                               softcap, slope, alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N,
+                                               FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+        else:
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, scale,
+                                               softcap, slope, alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N,
+                                               FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+
+        for j in range(1, n_tiles):
+            r = first + j
+            wait(k_ready, r, STAGES)
+            wait(v_ready, r - 1, V_STAGES)
+            _turn(turn, j, n_other, ME, PINGPONG)
+            s = warpgroup_mma(q, slot(k_ring, r, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            acc = warpgroup_mma(p, slot(v_ring, r - 1, BLOCK_N, D, V_STAGES), acc, is_async=True)
+            _pass_turn(turn, ME, PINGPONG)
+            s = warpgroup_mma_wait(1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
+            mbarrier.arrive(k_empty.index(r % STAGES), count=1)
+            if (j < n_full) & (j >= n_lfull):
+                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span,
+                                                       qk_scale, scale, softcap, slope, alibi_off, s_layout, False,
+                                                       CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
+                                                       HAS_ALIBI=HAS_ALIBI)
+            else:
+                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span,
+                                                       qk_scale, scale, softcap, slope, alibi_off, s_layout, True,
+                                                       CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
+                                                       HAS_ALIBI=HAS_ALIBI)
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            mbarrier.arrive(v_empty.index((r - 1) % V_STAGES), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = gl.convert_layout(p_new.to(dtype), p_layout)
+
+        last = first + n_tiles - 1
+        wait(v_ready, last, V_STAGES)
+        _turn(turn, n_tiles, n_other, ME, PINGPONG)
+        acc = warpgroup_mma(p, slot(v_ring, last, BLOCK_N, D, V_STAGES), acc, is_async=True)
+        _pass_turn(turn, ME, PINGPONG)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(last % V_STAGES), count=1)
+
+    # rows with no visible key (l = 0): o = 0, lse = -inf
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    log2_l = gl.log2(l_safe)
+    lse = gl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
+    gl.store(LSE + row_lse + o_m, lse, mask=o_m < Sq)
+    if STORE_LO:
+        gl.store(LSE_LO + row_lse + o_m, gl.where(empty, 0.0, (m_i - mul_rn(lse, LOG2E)) + log2_l), mask=o_m < Sq)
+    acc = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    q_smem.reshape([HALF, D]).store(acc.to(dtype))  # this half's Q is read no more
+    fence_async_shared()
+    copy_out(o_desc, b, mc, h, q_start, Sq, q_smem, VARLEN)
+
+    for r in range(first + n_tiles, u_tiles):
+        _release(k_ready, k_empty, r, STAGES)
+        _release(v_ready, v_empty, r, V_STAGES)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer1(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h,
+               m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off,
+               CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+               BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+               VARLEN: gl.constexpr, STORE_LO: gl.constexpr, PINGPONG: gl.constexpr):
+    # the second half's rows, in a worker partition (warp_specialize's partitions are functions)
+    _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h, m0,
+              q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off, 1,
+              CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES, V_STAGES, VARLEN, STORE_LO, PINGPONG)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_ring, v_ring, q_bars, k_ready, k_empty, v_ready, v_empty, b,
+            h, hk, m0, q_start, Sq, k_start, Sk, u_lo, u_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            V_STAGES: gl.constexpr, VARLEN: gl.constexpr):
+    """Both halves' Q, then the union's key tiles, K_r before V_{r-1}: the order the consumers read
+    them in, so a copy waiting for its slot never holds back one a consumer needs first.  A slot
+    is refilled once both consumers have released it (empty barriers start complete)."""
+    mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes)
+    copy_in(q_desc, b, m0, h, q_start, Sq, q_bars.index(0), q_smem0, True, VARLEN)
+    mbarrier.expect(q_bars.index(1), q_desc.block_type.nbytes)
+    copy_in(q_desc, b, m0 + HALF, h, q_start, Sq, q_bars.index(1), q_smem1, True, VARLEN)
+    for r in range(0, u_tiles + 1):
+        if r < u_tiles:
+            sk = r % STAGES
+            mbarrier.wait(k_empty.index(sk), ((r // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(sk), k_desc.block_type.nbytes)
+            copy_in(k_desc, b, (u_lo + r) * BLOCK_N, hk, k_start, Sk, k_ready.index(sk), k_ring.index(sk), True,
+                    VARLEN)
+        if r > 0:
+            sv = (r - 1) % V_STAGES
+            mbarrier.wait(v_empty.index(sv), (((r - 1) // V_STAGES) & 1) ^ 1)
+            mbarrier.expect(v_ready.index(sv), v_desc.block_type.nbytes)
+            copy_in(v_desc, b, (u_lo + r - 1) * BLOCK_N, hk, k_start, Sk, v_ready.index(sv), v_ring.index(sv), True,
+                    VARLEN)
+
+
+@gluon.jit
+def attn_fwd_ws_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb, stride_lh, CU_Q, CU_K, ORDER, Hq,
+                            Sq, Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale, softcap,
+                            SLOPES, stride_sb, stride_sh, right, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                            D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr,
+                            STORE_LO: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    # the arguments mean attention_fwd_sm90's; a program owns 2 * 64 query rows (num_warps = 4:
+    # the default partition is the first consumer)
+    dtype: gl.constexpr = q_desc.dtype
+    b, h, hk, m0 = query_block(Sq, Hq, group, 2 * HALF, CAUSAL)
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
+                                                   bottom_right, VARLEN)
+    alibi_off = offset - right
+    if HAS_ALIBI:
+        slope = gl.load(SLOPES + b * stride_sb + h * stride_sh)
+    else:
+        slope = 0.0
+    u_lo, u_tiles, _, _ = key_window(m0, Sq, Sk, offset, span, 2 * HALF, BLOCK_N, CAUSAL, HAS_WL)
+    u_tiles = gl.maximum(u_tiles, 0)
+    row_lse = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
+
+    q_smem0 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    q_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    if PINGPONG:  # consumer 0 issues first
+        mbarrier.arrive(turn.index(0), count=1)
+
+    gl.warp_specialize([
+        (_consumer, (o_desc, LSE, LSE_LO, q_smem0, k_ring, v_ring, q_bars.index(0), k_ready, k_empty, v_ready,
+                     v_empty, turn, b, h, m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale,
+                     softcap, slope, alibi_off, 0, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES,
+                     V_STAGES, VARLEN, STORE_LO, PINGPONG)),
+        (_consumer1, (o_desc, LSE, LSE_LO, q_smem1, k_ring, v_ring, q_bars.index(1), k_ready, k_empty, v_ready,
+                      v_empty, turn, b, h, m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale,
+                      softcap, slope, alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES, V_STAGES,
+                      VARLEN, STORE_LO, PINGPONG)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_ring, v_ring, q_bars, k_ready, k_empty, v_ready,
+                   v_empty, b, h, hk, m0, q_start, Sq, k_start, Sk, u_lo, u_tiles, BLOCK_N, STAGES, V_STAGES, VARLEN)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
