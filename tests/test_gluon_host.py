@@ -206,6 +206,26 @@ def test_forward_reason_tiles_keys_and_copy_engine():
     assert "copy engine" in gluon_attention.forward_reason(odd, q, q, None, _params(), good, (9, 0))
 
 
+def test_forward_reason_warp_specialized_tiles():
+    """The warp-specialized forward: 128 rows of 4-warp consumers, and tiles that fit shared memory
+    (D = 256 with 128-key tiles would not launch)."""
+    ws = dict(gluon=True, consumers=2)
+    for D in (64, 128, 256):
+        q = torch.empty(1, 256, 2, D, dtype=torch.bfloat16)
+        assert gluon_attention.forward_reason(q, q, q, None, _params(), TileConfig(128, 64, 4, 2, **ws), (9, 0)) is None
+    assert "warp-specialized" in gluon_attention.forward_reason(q, q, q, None, _params(),
+                                                                TileConfig(64, 64, 4, 2, **ws), (9, 0))
+    assert "warp-specialized" in gluon_attention.forward_reason(q, q, q, None, _params(),
+                                                                TileConfig(128, 64, 8, 2, **ws), (9, 0))
+    too_big = TileConfig(128, 128, 4, 2, **ws)
+    assert gluon_attention.ws_shared_bytes(too_big, 256) > 232448
+    assert "shared memory" in gluon_attention.forward_reason(q, q, q, None, _params(), too_big, (9, 0))
+    # the estimate covers what the compiled kernels take (tools/sm90_compile_check.py: 164,216 B
+    # for 128-key tiles, 2 + 2 stages at D = 128; 147,928 B for 4 + 4 at D = 64)
+    assert gluon_attention.ws_shared_bytes(TileConfig(128, 128, 4, 2, **ws), 128) >= 164216
+    assert gluon_attention.ws_shared_bytes(TileConfig(128, 128, 4, 4, **ws), 64) >= 147928
+
+
 def test_backward_reason_dtype_of_do_and_lse():
     q = torch.empty(1, 128, 2, 64, dtype=torch.bfloat16)
     lse = torch.empty(1, 2, 128)

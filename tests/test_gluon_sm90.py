@@ -136,8 +136,10 @@ def test_modifiers_against_reference(c, dtype, gluon_calls):
 
 # D = 256: the Gluon forward with the table's tiles and the variants a sweep may pick (one or
 # two warpgroups, 32- or 64-key tiles, a one-slot V ring), the table's backward on its o and lse
-D256_VARIANTS = {"table": None, "64x32": (64, 32, 4, 2), "64x64-v1": (64, 64, 4, 2, 1), "128x32-s3": (128, 32, 8, 3),
-                 "128x64-2wg": (128, 64, 8, 2)}
+D256_VARIANTS = {"table": None, "64x32": TC(64, 32, 4, 2, gluon=True), "64x64-v1": TC(64, 64, 4, 2, gluon=True, v_stages=1),
+                 "128x32-s3": TC(128, 32, 8, 3, gluon=True), "128x64-2wg": TC(128, 64, 8, 2, gluon=True),
+                 "ws-n64-s2-pingpong": TC(128, 64, 4, 2, gluon=True, consumers=2, pingpong=True),
+                 "ws-n32-s3": TC(128, 32, 4, 3, gluon=True, consumers=2)}
 
 
 @pytest.fixture(params=list(D256_VARIANTS), ids=list(D256_VARIANTS))
@@ -145,8 +147,7 @@ def gluon_calls_256(request, monkeypatch):
     tiles = D256_VARIANTS[request.param]
     if tiles is not None:
         for kind in ("fwd", "fwd_causal"):
-            configs.set_config(kind, 256, 2, configs.TileConfig(*tiles[:4], gluon=True,
-                                                              v_stages=tiles[4] if len(tiles) > 4 else 0))
+            configs.set_config(kind, 256, 2, tiles)
     calls = []
     real = gluon_attention.attention_forward
 

@@ -11,6 +11,7 @@ outputs relative to their largest entry.
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 import triton
@@ -26,18 +27,26 @@ ROWS = [(f"D{D} S{S // 1024}k{' causal' if c else ''}", S, D, c, None, 1)
         for D in (64, 128) for S in (1024, 4096, 16384) for c in (False, True)] + [
     ("D128 S4k GQA 32/8 causal", 4096, 128, True, None, 4),
     ("D128 S16k causal window 1023", 16384, 128, True, 1023, 1),
-]
+] + [(f"D256 S{S // 1024}k{' causal' if c else ''}", S, 256, c, None, 1) for S in (4096, 16384) for c in (False, True)]
 WS = dict(block_m=128, num_warps=4, gluon=True, consumers=2)
 VARIANTS = {
     64: {"ws n128 s2": TC(block_n=128, num_stages=2, **WS),
          "ws n128 s2 pp": TC(block_n=128, num_stages=2, pingpong=True, **WS),
          "ws n128 s4 pp": TC(block_n=128, num_stages=4, pingpong=True, **WS),
          "ws n64 s4 pp": TC(block_n=64, num_stages=4, pingpong=True, **WS)},
-    128: {"ws n128 s2": TC(block_n=128, num_stages=2, **WS),
+    128: {"1wg 64x128 v1": TC(64, 128, 4, 2, gluon=True, v_stages=1),  # the table's before v0.9.0
+          "ws n128 s2": TC(block_n=128, num_stages=2, **WS),
           "ws n128 s2 pp": TC(block_n=128, num_stages=2, pingpong=True, **WS),
           "ws n128 s3v2 pp": TC(block_n=128, num_stages=3, v_stages=2, pingpong=True, **WS),
           "ws n64 s4 pp": TC(block_n=64, num_stages=4, pingpong=True, **WS)},
+    256: {"ws n64 s2": TC(block_n=64, num_stages=2, **WS),
+          "ws n64 s2 pp": TC(block_n=64, num_stages=2, pingpong=True, **WS),
+          "ws n64 s2v1 pp": TC(block_n=64, num_stages=2, v_stages=1, pingpong=True, **WS),
+          "ws n32 s3 pp": TC(block_n=32, num_stages=3, pingpong=True, **WS)},
 }
+# FF_WS_ROWS: a comma-separated subset of the labels (default all)
+_ONLY = [r for r in os.environ.get("FF_WS_ROWS", "").split(",") if r]
+ROWS = [r for r in ROWS if not _ONLY or r[0] in _ONLY]
 
 
 def run_row(label, S, D, causal, window, gdiv):
@@ -65,13 +74,11 @@ def run_row(label, S, D, causal, window, gdiv):
 
 def main():
     rows, args = run_rows(ROWS, run_row)
-    names = ["table"] + list(VARIANTS[128])
-    print(f"\n{'row (fwd TFLOP/s, ratio to table)':30}" + "".join(f"{n:>18}" for n in ["table"] + list(VARIANTS[64])))
+    print(f"\n{'row (fwd TFLOP/s, ratio to table)':30}")
     for r in rows:
         base = r["variants"]["table"]["fwd"]
-        cells = [f"{v['fwd']:7.0f} ({v['fwd'] / base:4.2f})" for v in r["variants"].values()]
-        print(f"{r['row']:30}" + "".join(f"{c:>18}" for c in cells))
-    print("D = 128 rows' variants:", ", ".join(names))
+        cells = [f"{n} {v['fwd']:.0f} ({v['fwd'] / base:4.2f})" for n, v in r["variants"].items()]
+        print(f"{r['row']:30}" + " | ".join(cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)

@@ -57,6 +57,17 @@ def _ws_kernel():
     return attn_fwd_ws_sm90_kernel
 
 
+_SMEM_SM90 = 232448  # bytes of shared memory a block may opt into on sm_90
+
+
+def ws_shared_bytes(cfg, D: int) -> int:
+    """The warp-specialized forward's shared memory (16-bit tiles): both consumers' Q (o's
+    staging too), the K and V rings, and 1 KB for the barriers and alignment (the compiled kernels
+    use 120-472 B)."""
+    v_stages = cfg.v_stages or max(2, cfg.num_stages)
+    return 2 * (2 * 64 * D + (max(2, cfg.num_stages) + v_stages) * cfg.block_n * D) + 1024
+
+
 # the warp-specialized forward's register split (setmaxnreg): 240 for each consumer warpgroup,
 # 24 for the loader's, FA3's (the three warpgroups' 168 each at launch: 2 * 240 + 24 = 3 * 168)
 _WS_REGS = (240, 24)
@@ -116,8 +127,10 @@ def forward_reason(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]
         if cfg.block_m != 128 or cfg.num_warps != 4:
             return (f"tiles {cfg.block_m} x {cfg.block_n} with {cfg.num_warps} warps (the warp-specialized Gluon "
                     "forward: 128 rows, 4 warps a consumer)")
-        if q.shape[3] > 128:
-            return f"D = {q.shape[3]} in the warp-specialized Gluon forward (D <= 128)"
+        smem = ws_shared_bytes(cfg, q.shape[3])
+        if smem > _SMEM_SM90:
+            return (f"tiles {cfg.block_m} x {cfg.block_n} x {cfg.num_stages} stages at D = {q.shape[3]}: {smem} B of "
+                    f"shared memory (sm_90: {_SMEM_SM90})")
     elif cfg.block_m != 16 * cfg.num_warps:
         return f"tiles {cfg.block_m} x {cfg.block_n} with {cfg.num_warps} warps (Gluon: one warp per 16 rows)"
     if _kernel() is None:

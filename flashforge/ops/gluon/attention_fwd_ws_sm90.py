@@ -18,7 +18,7 @@ of the union its rows do not see (a causal diagonal's, a window's edges) without
 PINGPONG (FA3's scheduling): the consumers take turns issuing their products, through two
 mbarriers, so one's softmax runs while the other's products occupy the tensor cores.
 
-Scope: `attention_fwd_sm90`'s (the launcher checks it) for D = Dv in {64, 128}.
+Scope: `attention_fwd_sm90`'s (the launcher checks it).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

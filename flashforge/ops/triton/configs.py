@@ -54,7 +54,7 @@ class TileConfig:
     overlap: bool = True
     # gluon forward only: 2 runs the warp-specialized kernel (ops/gluon/attention_fwd_ws_sm90.py:
     # a loader warp and two consumer warpgroups sharing each K/V tile), block_m = 128 query rows
-    # a program and num_warps = 4 (one consumer's); D = Dv in {64, 128}
+    # a program and num_warps = 4 (one consumer's)
     consumers: int = 1
     # consumers = 2 only: the two take turns issuing their products (FA3's ping-pong)
     pingpong: bool = False
@@ -92,15 +92,20 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # causal 245 / 507 / 569 against 242 / 475 / 545; D = 64 (64 x 128): 449 / 474 / 465
     # against 361 / 467 / 478, causal (64 x 64) 350 / 435 / 465 against 264 / 370 / 418.
     ("fwd_gluon", 64, 2): TileConfig(64, 128, 4, 2, gluon=True),
-    # D = 128: 64 x 128 tiles with one V slot, measured after the grid run below (sweep, S = 4k
-    # / 16k: 572 / 592 TFLOP/s against 543 / 548 for 64 x 64; causal 530 / 572 against 498 / 536)
-    ("fwd_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, v_stages=1),
+    # D = 128: the warp-specialized kernel (a loader warp, two 64-row consumers sharing each K/V
+    # tile, ping-pong), H200, bf16, one process (RESULTS.md v0.9.0, benchmarks/profile/ws_fwd_gpu.py):
+    # S = 1k / 4k / 16k 508 / 605 / 630 TFLOP/s against 516 / 559 / 551 for 64 x 128 tiles with one
+    # V slot (one warpgroup a program, two programs an SM, each copying every tile); causal 351 /
+    # 509 / 606 against 366 / 491 / 555, GQA 32/8 causal 4k 571 against 507, window 1023 450
+    # against 432.  D = 64 stays on the one-warpgroup kernel: WS measured 0.66-0.97x there but
+    # at S = 16k causal (1.09)
+    ("fwd_gluon", 128, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, pingpong=True),
     ("fwd_gluon_causal", 64, 2): TileConfig(64, 64, 4, 2, gluon=True),
     # D = 128 causal at S = 1k: v0.4.0's benchmark read Gluon 263 TFLOP/s against the portable
     # tiles' 329 and kept Gluon from 2k keys on; v0.5.0 timed both in one process
     # (benchmarks/profile/short_calls.py): Gluon 348 in a CUDA graph and 307 eager against the portable
     # 321 and 219 (it also needs ~100 us less host time per call), so Gluon serves all lengths
-    ("fwd_gluon_causal", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, v_stages=1),
+    ("fwd_gluon_causal", 128, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, pingpong=True),
     # D = 256 (H200, benchmarks/tune/bwd256_sweep.py, RESULTS.md v0.8.1; bf16 TFLOP/s, S = 4k / 16k
     # causal): the forward in 128 x 32 tiles, 8 warps, 3 stages through TMA 448 / 464 against 351 / 351
     # for 64 x 32 x 4 warps (which spilled nothing; more rows per program is what paid)
