@@ -114,8 +114,11 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # of 64 rows each over 64-key tiles, 2 K stages (225-229 registers, no spill).  S = 4k: 573
     # with one V stage, 564 with two, against 453 for the portable 128 x 32 TMA tiles and 480
     # for 64 x 32; S = 16k causal: 604 with two V stages, 588 with one, portable 472
-    ("fwd_gluon", 256, 2): TileConfig(128, 64, 8, 2, gluon=True, v_stages=1),
-    ("fwd_gluon_causal", 256, 2): TileConfig(128, 64, 8, 2, gluon=True),
+    # v0.9.0: the warp-specialized kernel (two 64-row consumers sharing each 64-key tile, 2 + 2
+    # slots, no ping-pong), S = 4k / 16k 649 / 655 against 591 / 603 for the two-warpgroup tiles;
+    # causal 578 / 649 against 509 / 551 (ping-pong 0.97-0.99x of it; one V slot 0.74-0.84x)
+    ("fwd_gluon", 256, 2): TileConfig(128, 64, 4, 2, gluon=True, consumers=2),
+    ("fwd_gluon_causal", 256, 2): TileConfig(128, 64, 4, 2, gluon=True, consumers=2),
     # D = 256 in the Gluon backward: dV and dK in two launches (split_kv: one [keys, 256] float32
     # accumulator a program).  H200 sweep, RESULTS.md v0.8.6, bf16, whole backward in TFLOP/s
     # (the other pass's kernel fixed): S = 4k: dK/dV 64 x 64 x 4 warps 273, 32 x 64 247, 32 x 128 x 8
