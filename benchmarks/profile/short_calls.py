@@ -41,6 +41,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--head-dim", type=int, action="append", default=[], help="these only (default 64 and 128)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     S = args.seqlen
@@ -48,7 +49,7 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     print(f"{'case':26s} {'impl':6s} {'eager ms':>9s} {'graph ms':>9s} {'host us':>8s} {'TF/s eager':>10s} "
           f"{'TF/s graph':>10s}")
-    for D in (64, 128):
+    for D in args.head_dim or (64, 128):
         B, H = 16384 // S, 2048 // D
         for causal in (False, True):
             g = torch.Generator(device="cuda").manual_seed(0)
