@@ -278,6 +278,11 @@ BWD_VARIANTS = {
     "kv-fused-overlap-s2": (TC(64, 64, 4, 2, gluon=True, fused_dq=True), TC(64, 64, 4, 3, gluon=True)),
     "kv-fused-one-at-a-time-s3": (TC(64, 64, 4, 3, gluon=True, overlap=False, fused_dq=True),
                                   TC(64, 64, 4, 3, gluon=True)),
+    # the warp-specialized dQ kernel (a loader warp, two 64-row consumers sharing each K/V tile)
+    "kv-one-at-a-time-s2+q-ws": (TC(64, 64, 4, 2, gluon=True, overlap=False),
+                                 TC(128, 64, 4, 2, gluon=True, consumers=2)),
+    "kv-one-at-a-time-s2+q-ws-pingpong": (TC(64, 64, 4, 2, gluon=True, overlap=False),
+                                          TC(128, 64, 4, 2, gluon=True, consumers=2, pingpong=True)),
 }
 
 

@@ -156,8 +156,8 @@ def _flags(consts):
 _KERNELS: dict = {}  # the real kernels, kept across record() calls (one per --arch)
 
 
-def record(quick: bool):
-    log = []
+def record_launches(log: list) -> None:
+    """Replace every kernel the launchers call (portable and Gluon) by a Recorder into `log`."""
     for name in ("attn_fwd_kernel", "attn_fwd_combine_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
                  "attn_bwd_dq_kernel", "attn_bwd_dmask_kernel"):
         setattr(launchers, name, Recorder(_KERNELS.setdefault(name, getattr(launchers, name)), log))
@@ -165,12 +165,18 @@ def record(quick: bool):
     gluon = _KERNELS.setdefault("gluon_fwd", gluon_launcher._kernel())
     if gluon is not None:
         gluon_launcher._kernel = lambda: (Recorder(gluon[0], log), *gluon[1:])
-    if gluon is not None:
         ws = _KERNELS.setdefault("gluon_ws", gluon_launcher._ws_kernel())
         gluon_launcher._ws_kernel = lambda: Recorder(ws, log)
+        ws_dq = _KERNELS.setdefault("gluon_ws_dq", gluon_launcher._ws_dq_kernel())
+        gluon_launcher._ws_dq_kernel = lambda: Recorder(ws_dq, log)
     gluon_bwd = _KERNELS.setdefault("gluon_bwd", gluon_launcher._bwd_kernels())
     if gluon_bwd is not None:
         gluon_launcher._bwd_kernels = lambda: tuple(Recorder(k, log) for k in gluon_bwd)
+
+
+def record(quick: bool):
+    log = []
+    record_launches(log)
     launchers._interpreting = lambda q: False
     cap = divmod(TARGET.arch, 10)
     torch.cuda.get_device_capability = lambda device=None: cap  # the target, for the TMA path
@@ -240,6 +246,18 @@ def record(quick: bool):
                 if kind.startswith("bwd") else real_get(kind, d, e, False, **kw)
             for D in (64, 128):
                 run(D=D, window_right=0)
+        # the warp-specialized dQ kernel (tests/test_gluon_sm90.py's BWD_VARIANTS "...q-ws...")
+        cu = torch.tensor([0, 150, 256], dtype=torch.int32)
+        for pp in (False, True):
+            ws_q = configs.TileConfig(128, 64, 4, 2, gluon=True, consumers=2, pingpong=pp)
+            launchers.get_config = lambda kind, d, e, interpret, ws_q=ws_q, **kw: (
+                ws_q if kind == "bwd_q" else real_get(kind, d, e, False, **kw))
+            for D in (64, 128):
+                run(D=D)
+                run(D=D, window_left=40, window_right=0, softcap=20.0, dtype=torch.float16)
+                run(D=D, window_right=0, lo=False, alibi_slopes=torch.rand(2, 4))
+                run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
+                    window_right=0, offset_bottom_right=True)
         # D = 256's Gluon backward variants (tests/test_gluon_sm90.py's D256_BWD_VARIANTS)
         TC = configs.TileConfig
         for kv, dq in ((TC(32, 128, 8, 3, gluon=True, split_kv=True), TC(128, 32, 8, 2, gluon=True)),

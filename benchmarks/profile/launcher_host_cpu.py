@@ -31,11 +31,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     args = ap.parse_args()
     L, log = cc.launchers, []
-    for name in ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
-        setattr(L, name, cc.Recorder(getattr(L, name), log))
-    fwd, bwd = cc.gluon_launcher._kernel(), cc.gluon_launcher._bwd_kernels()
-    cc.gluon_launcher._kernel = lambda: (cc.Recorder(fwd[0], log), *fwd[1:])
-    cc.gluon_launcher._bwd_kernels = lambda: tuple(cc.Recorder(k, log) for k in bwd)
+    cc.record_launches(log)
     L._interpreting = lambda q: False
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
     L._arch = lambda q: (9, 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import struct
+from dataclasses import replace
 
 import torch
 
@@ -57,6 +58,12 @@ def _ws_kernel():
     return attn_fwd_ws_sm90_kernel
 
 
+@functools.lru_cache(maxsize=None)
+def _ws_dq_kernel():
+    from .attention_bwd_dq_ws_sm90 import attn_bwd_dq_ws_sm90_kernel
+    return attn_bwd_dq_ws_sm90_kernel
+
+
 _SMEM_SM90 = 232448  # bytes of shared memory a block may opt into on sm_90
 
 
@@ -66,6 +73,12 @@ def ws_shared_bytes(cfg, D: int) -> int:
     use 120-472 B)."""
     v_stages = cfg.v_stages or max(2, cfg.num_stages)
     return 2 * (2 * 64 * D + (max(2, cfg.num_stages) + v_stages) * cfg.block_n * D) + 1024
+
+
+def ws_dq_shared_bytes(cfg, D: int) -> int:
+    """The warp-specialized dQ kernel's: both consumers' Q and dO, the K and V rings, 1 KB more."""
+    v_stages = cfg.v_stages or max(2, cfg.num_stages)
+    return 2 * (4 * 64 * D + (max(2, cfg.num_stages) + v_stages) * cfg.block_n * D) + 1024
 
 
 # the warp-specialized forward's register split (setmaxnreg): 240 for each consumer warpgroup,
@@ -265,6 +278,9 @@ def bwd_tiles_fit(kind: str, cfg, head_dim: int) -> bool:
     accumulators in registers, 256 a thread, the kernel would spill)."""
     if kind == "bwd_kv" and head_dim > 128 and not cfg.split_kv:
         return False
+    if cfg.consumers == 2:  # the warp-specialized dQ kernel: two 64-row consumers of 4 warps
+        return kind == "bwd_q" and cfg.block_m == 128 and cfg.num_warps == 4 and \
+            ws_dq_shared_bytes(cfg, head_dim) <= _SMEM_SM90
     return (cfg.block_n if kind == "bwd_kv" else cfg.block_m) == 16 * cfg.num_warps
 
 
@@ -416,6 +432,17 @@ def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=Non
     w = _window(params)
     mod, mod_flags = _modifiers(params, lse)
     o_strides = ((0 if params.is_varlen else o.stride(0)), o.stride(1), o.stride(2)) if here else (0, 0, 0)
+    if cfg.consumers == 2:  # warp-specialized: q, dO and dQ in one consumer's 64-row boxes
+        launch(_ws_dq_kernel(), grid, *input_descriptors(q, k, v, do, params, replace(cfg, block_m=64)), desc(dq, 64),
+               lse, lse if lse_lo is None else lse_lo, delta, lse if far is None else far,
+               s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],
+               _qk_scale(params.scale), params.scale, o if here else lse, dlse if dlse is not None else lse,
+               *o_strides, *mod[1:], CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_N=cfg.block_n, D=D,
+               STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
+               VARLEN=params.is_varlen, DELTA_HERE=here, HAS_DLSE=here and dlse is not None,
+               HAS_LO=lse_lo is not None, FAR_OUT=far is not None, PINGPONG=cfg.pingpong,
+               CONSUMER_REGS=_WS_REGS[0], LOADER_REGS=_WS_REGS[1], num_warps=4)
+        return dq
     launch(dq_kernel, grid, *(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dq, cfg.block_m), lse,
            lse if lse_lo is None else lse_lo, delta, lse if far is None else far,
            s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],

@@ -1,0 +1,272 @@
+"""Hopper (sm_90) dQ kernel in Gluon, warp-specialized: the forward's structure
+(`attention_fwd_ws_sm90`) for `attention_bwd_sm90.attn_bwd_dq_sm90_kernel`.
+
+A program owns 128 query rows: two consumer warpgroups (partitions, `gl.warp_specialize`) of
+64 rows each share every K and V tile, which one loader warp copies into rings with "ready" and
+"empty" barriers (both consumers release a slot).  Each consumer runs the dQ kernel's loop on
+its rows (S_j and dP_j issued with dQ += dS_{j-1} K_{j-1}; dS_j formed while that product
+runs): V_j's slot is released once dP_j is done, K_j's once dQ's product of tile j is.  The
+loader copies the union of the halves' key tiles; a consumer releases the tiles its rows do
+not see without computing them.  PINGPONG: the consumers take turns issuing their products.
+
+Everything else is the dQ kernel's: delta here (DELTA_HERE) or read, lse's low part (HAS_LO)
+and the far flags for the dK/dV kernel (FAR_OUT), softcap, ALiBi, windows, packed batches.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .attention_bwd_sm90 import LO_FROM, _ds_tile, _lse2
+from .attention_fwd_ws_sm90 import HALF, _pass_turn, _release, _turn
+from .pipeline import copy_in, copy_out, key_window, query_block, sequence, slot, wait
+from .rounding import fused_score
+
+
+@gluon.jit
+def _dq_tiles_ws(q_t, do_t, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, turn, dq, s_zero, first, n_lo, n_tiles,
+                 n_lfull, n_full, n_other, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, scale, softcap, slope,
+                 alibi_off, s_layout: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr,
+                 BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr,
+                 HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, ME: gl.constexpr, PINGPONG: gl.constexpr):
+    """`attention_bwd_sm90._dq_tiles` over ring indices first + [0, n_tiles), copies replaced by
+    the rings' barriers."""
+    wait(k_ready, first, STAGES)
+    wait(v_ready, first, V_STAGES)
+    _turn(turn, 0, n_other, ME, PINGPONG)
+    s = warpgroup_mma(q_t, slot(k_ring, first, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)
+    dp = warpgroup_mma(do_t, slot(v_ring, first, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero, use_acc=False,
+                       is_async=True)
+    _pass_turn(turn, ME, PINGPONG)
+    s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+    mbarrier.arrive(v_empty.index(first % V_STAGES), count=1)
+    if (n_full > 0) & (n_lfull <= 0):
+        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
+                      alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
+                      HAS_ALIBI=HAS_ALIBI)
+    else:
+        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
+                      alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
+                      HAS_ALIBI=HAS_ALIBI)
+    ds = gl.convert_layout(ds.to(dtype), op_layout)
+    for j in range(1, n_tiles):
+        r = first + j
+        wait(k_ready, r, STAGES)
+        wait(v_ready, r, V_STAGES)
+        _turn(turn, j, n_other, ME, PINGPONG)
+        s = warpgroup_mma(q_t, slot(k_ring, r, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        dp = warpgroup_mma(do_t, slot(v_ring, r, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma(ds, slot(k_ring, r - 1, BLOCK_N, D, STAGES), dq, is_async=True)
+        _pass_turn(turn, ME, PINGPONG)
+        # S_j, dP_j are done; dQ's product of tile j - 1 may still run.  V_j's slot is free.
+        s, dp = warpgroup_mma_wait(1, deps=(s, dp))
+        mbarrier.arrive(v_empty.index(r % V_STAGES), count=1)
+        if (j < n_full) & (j >= n_lfull):
+            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
+                              softcap, slope, alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE,
+                              HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+        else:
+            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
+                              softcap, slope, alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE,
+                              HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+        dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
+        mbarrier.arrive(k_empty.index((r - 1) % STAGES), count=1)
+        ds = gl.convert_layout(ds_new.to(dtype), op_layout)
+    last = first + n_tiles - 1
+    _turn(turn, n_tiles, n_other, ME, PINGPONG)
+    dq = warpgroup_mma(ds, slot(k_ring, last, BLOCK_N, D, STAGES), dq, is_async=True)
+    _pass_turn(turn, ME, PINGPONG)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    mbarrier.arrive(k_empty.index(last % STAGES), count=1)
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(dq_desc, LSE, LSE_LO, DELTA, far_at, O, DLSE, stride_ob, stride_os, stride_oh, q_smem, do_smem,
+                 k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h, m0, q_start, Sq, Sk, offset,
+                 span, u_lo, u_tiles, row, qk_scale, scale, softcap, slope, alibi_off, ME: gl.constexpr,
+                 CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                 BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                 VARLEN: gl.constexpr, DELTA_HERE: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_LO: gl.constexpr,
+                 FAR_OUT: gl.constexpr, PINGPONG: gl.constexpr):
+    """dQ of query rows m0 + ME * 64 + [0, 64) (and their delta, DELTA_HERE)."""
+    dtype: gl.constexpr = dq_desc.dtype
+    FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    mc = m0 + ME * HALF
+    n_lo, n_tiles, n_lfull, n_full = key_window(mc, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
+    if n_tiles <= 0:
+        n_tiles = 0
+        n_lo = u_lo + u_tiles
+    first = n_lo - u_lo
+    if PINGPONG:
+        _, o_tiles, _, _ = key_window(m0 + (1 - ME) * HALF, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
+        n_other = gl.where(o_tiles > 0, o_tiles + 1, 0)
+    else:
+        n_other = 0
+    for r in range(0, first):
+        _release(k_ready, k_empty, r, STAGES)
+        _release(v_ready, v_empty, r, V_STAGES)
+
+    o_m = mc + gl.arange(0, HALF, layout=row_s)
+    lse2, lo = _lse2(LSE, LSE_LO, row, o_m, Sq, HAS_LO)
+    dq = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    q_t = q_smem.reshape([HALF, D])
+    do_t = do_smem.reshape([HALF, D])
+    if DELTA_HERE:  # as the dQ kernel: delta = rowsum(o * dO) - dlse, stored for the dK/dV kernel
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        r = mc + gl.arange(0, HALF, layout=gl.SliceLayout(1, blk))
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+        o_rows = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + (q_start + r).to(gl.int64) * stride_os
+        o_tile = gl.load(o_rows[:, None] + c[None, :], mask=(r < Sq)[:, None], other=0.0)
+        d_rows = gl.sum(o_tile.to(gl.float32) * do_t.load(blk).to(gl.float32), axis=1)
+        if HAS_DLSE:
+            d_rows -= gl.load(DLSE + row + r, mask=r < Sq, other=0.0)
+        gl.store(DELTA + row + r, d_rows, mask=r < Sq)
+        delta = gl.convert_layout(d_rows, row_s)
+    else:
+        delta = gl.load(DELTA + row + o_m, mask=o_m < Sq, other=0.0)
+
+    if n_tiles > 0:
+        if HAS_LO:
+            lo_here = gl.max(gl.where(o_m < Sq, gl.abs(lse2), 0.0), axis=0) >= LO_FROM
+            if FAR_OUT:
+                if lo_here:
+                    gl.atomic_or(far_at, 1)
+        else:
+            lo_here = False
+        if lo_here:
+            dq = _dq_tiles_ws(q_t, do_t, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, turn, dq, s_zero, first,
+                              n_lo, n_tiles, n_lfull, n_full, n_other, Sk, o_m, lse2, lo, delta, offset, span,
+                              qk_scale, scale, softcap, slope, alibi_off, s_layout, op_layout, dtype, BLOCK_N, D,
+                              STAGES, V_STAGES, CAUSAL, HAS_WL, True, FUSE, HAS_SOFTCAP, HAS_ALIBI, ME, PINGPONG)
+        else:
+            dq = _dq_tiles_ws(q_t, do_t, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, turn, dq, s_zero, first,
+                              n_lo, n_tiles, n_lfull, n_full, n_other, Sk, o_m, lse2, lo, delta, offset, span,
+                              qk_scale, scale, softcap, slope, alibi_off, s_layout, op_layout, dtype, BLOCK_N, D,
+                              STAGES, V_STAGES, CAUSAL, HAS_WL, False, FUSE, HAS_SOFTCAP, HAS_ALIBI, ME, PINGPONG)
+
+    q_smem.reshape([HALF, D]).store((dq * scale).to(dtype))  # this half's Q is read no more
+    fence_async_shared()
+    copy_out(dq_desc, b, mc, h, q_start, Sq, q_smem, VARLEN)
+    for r in range(first + n_tiles, u_tiles):
+        _release(k_ready, k_empty, r, STAGES)
+        _release(v_ready, v_empty, r, V_STAGES)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dq_consumer1(dq_desc, LSE, LSE_LO, DELTA, far_at, O, DLSE, stride_ob, stride_os, stride_oh, q_smem, do_smem,
+                  k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h, m0, q_start, Sq, Sk, offset,
+                  span, u_lo, u_tiles, row, qk_scale, scale, softcap, slope, alibi_off, CAUSAL: gl.constexpr,
+                  HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr,
+                  DELTA_HERE: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_LO: gl.constexpr, FAR_OUT: gl.constexpr,
+                  PINGPONG: gl.constexpr):
+    # the second half's rows, in a worker partition
+    _dq_consumer(dq_desc, LSE, LSE_LO, DELTA, far_at, O, DLSE, stride_ob, stride_os, stride_oh, q_smem, do_smem,
+                 k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h, m0, q_start, Sq, Sk, offset,
+                 span, u_lo, u_tiles, row, qk_scale, scale, softcap, slope, alibi_off, 1, CAUSAL, HAS_WL, HAS_SOFTCAP,
+                 HAS_ALIBI, BLOCK_N, D, STAGES, V_STAGES, VARLEN, DELTA_HERE, HAS_DLSE, HAS_LO, FAR_OUT, PINGPONG)
+
+
+@gluon.jit
+def _dq_loader(q_desc, k_desc, v_desc, do_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_ring, v_ring, q_bars, k_ready,
+               k_empty, v_ready, v_empty, b, h, hk, m0, q_start, Sq, k_start, Sk, u_lo, u_tiles,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr):
+    """Both halves' Q and dO, then the union's key tiles, K_r then V_r (both read at tile r)."""
+    mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    copy_in(q_desc, b, m0, h, q_start, Sq, q_bars.index(0), q_smem0, True, VARLEN)
+    copy_in(do_desc, b, m0, h, q_start, Sq, q_bars.index(0), do_smem0, True, VARLEN)
+    mbarrier.expect(q_bars.index(1), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    copy_in(q_desc, b, m0 + HALF, h, q_start, Sq, q_bars.index(1), q_smem1, True, VARLEN)
+    copy_in(do_desc, b, m0 + HALF, h, q_start, Sq, q_bars.index(1), do_smem1, True, VARLEN)
+    for r in range(0, u_tiles):
+        sk = r % STAGES
+        mbarrier.wait(k_empty.index(sk), ((r // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(sk), k_desc.block_type.nbytes)
+        copy_in(k_desc, b, (u_lo + r) * BLOCK_N, hk, k_start, Sk, k_ready.index(sk), k_ring.index(sk), True, VARLEN)
+        sv = r % V_STAGES
+        mbarrier.wait(v_empty.index(sv), ((r // V_STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(sv), v_desc.block_type.nbytes)
+        copy_in(v_desc, b, (u_lo + r) * BLOCK_N, hk, k_start, Sk, v_ready.index(sv), v_ring.index(sv), True, VARLEN)
+
+
+@gluon.jit
+def attn_bwd_dq_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
+                               stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right,
+                               span, qk_scale, scale, O, DLSE, stride_ob, stride_os, stride_oh, softcap, SLOPES,
+                               stride_sb, stride_sh, right, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                               HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                               D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr,
+                               DELTA_HERE: gl.constexpr, HAS_DLSE: gl.constexpr, HAS_LO: gl.constexpr,
+                               FAR_OUT: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    # the arguments mean attn_bwd_dq_sm90_kernel's; a program owns 2 * 64 query rows (num_warps = 4:
+    # the default partition is the first consumer); q, dO and dQ boxes are 64 rows
+    dtype: gl.constexpr = q_desc.dtype
+    b, h, hk, m0 = query_block(Sq, Hq, group, 2 * HALF, CAUSAL)
+    far_at = FAR + b * (Hq // group) + hk  # the dK/dV kernel's program_id(1), before `sequence` maps b
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
+                                                   bottom_right, VARLEN)
+    alibi_off = offset - right
+    if HAS_ALIBI:
+        slope = gl.load(SLOPES + b * stride_sb + h * stride_sh)
+    else:
+        slope = 0.0
+    u_lo, u_tiles, _, _ = key_window(m0, Sq, Sk, offset, span, 2 * HALF, BLOCK_N, CAUSAL, HAS_WL)
+    u_tiles = gl.maximum(u_tiles, 0)
+    row = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
+
+    q_smem0 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    q_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    do_smem0 = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
+    do_smem1 = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    if PINGPONG:  # consumer 0 issues first
+        mbarrier.arrive(turn.index(0), count=1)
+
+    gl.warp_specialize([
+        (_dq_consumer, (dq_desc, LSE, LSE_LO, DELTA, far_at, O, DLSE, stride_ob, stride_os, stride_oh, q_smem0,
+                        do_smem0, k_ring, v_ring, q_bars.index(0), k_ready, k_empty, v_ready, v_empty, turn, b, h, m0,
+                        q_start, Sq, Sk, offset, span, u_lo, u_tiles, row, qk_scale, scale, softcap, slope, alibi_off,
+                        0, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES, V_STAGES, VARLEN, DELTA_HERE,
+                        HAS_DLSE, HAS_LO, FAR_OUT, PINGPONG)),
+        (_dq_consumer1, (dq_desc, LSE, LSE_LO, DELTA, far_at, O, DLSE, stride_ob, stride_os, stride_oh, q_smem1,
+                         do_smem1, k_ring, v_ring, q_bars.index(1), k_ready, k_empty, v_ready, v_empty, turn, b, h, m0,
+                         q_start, Sq, Sk, offset, span, u_lo, u_tiles, row, qk_scale, scale, softcap, slope,
+                         alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES, V_STAGES, VARLEN,
+                         DELTA_HERE, HAS_DLSE, HAS_LO, FAR_OUT, PINGPONG)),
+        (_dq_loader, (q_desc, k_desc, v_desc, do_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_ring, v_ring, q_bars,
+                      k_ready, k_empty, v_ready, v_empty, b, h, hk, m0, q_start, Sq, k_start, Sk, u_lo, u_tiles,
+                      BLOCK_N, STAGES, V_STAGES, VARLEN)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
