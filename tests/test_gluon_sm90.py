@@ -471,8 +471,9 @@ def test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies):
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     fwd_cfg = configs.get_config("fwd", D, 2, False, causal="causal" in kw, arch=(9, 0))
     assert gluon_spies["fwd"] == (fwd_cfg.gluon or configs.gluon_config(D, 2, "causal" in kw, (9, 0)) is not None)
-    for kind in ("bwd_q", "bwd_kv"):
-        g = configs.gluon_config(D, 2, False, (9, 0), kind)
+    for kind in ("bwd_q", "bwd_kv"):  # (an override with gluon=True asks for Gluon itself)
+        g = configs.get_config(kind, D, 2, False, arch=(9, 0))
+        g = g if g.gluon else configs.gluon_config(D, 2, False, (9, 0), kind)
         serves = g is not None and gluon_attention.bwd_tiles_fit(kind, g, D)
         assert gluon_spies[kind] == (serves and not (kind == "bwd_q" and _fused(D)))
 
@@ -506,3 +507,16 @@ def test_varlen_warp_specialized_forward(variant, shape, kw, dtype, gluon_spies)
         test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies)
     finally:
         set_forward_tiles(None)
+
+
+@pytest.mark.parametrize("shape, kw, dtype", [p for p in VARLEN_CASES if p.values[0]["D"] <= 128])
+def test_varlen_warp_specialized_dq(shape, kw, dtype, gluon_spies):
+    """Packed batches through the warp-specialized dQ kernel (with ping-pong; a program's two
+    halves may fall on either side of a sequence's end)."""
+    for bucket in (64, 128):
+        configs.set_config("bwd_q", bucket, 2, BWD_VARIANTS["kv-one-at-a-time-s2+q-ws-pingpong"][1])
+    try:
+        test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies)
+    finally:
+        for bucket in (64, 128):
+            configs.set_config("bwd_q", bucket, 2, None)
