@@ -17,10 +17,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_sm90 import LO_FROM, _ds_tile, _lse2
-from .attention_fwd_ws_sm90 import HALF, _pass_turn, _release, _turn
-from .pipeline import copy_in, copy_out, key_window, query_block, sequence, slot, wait
+from .attention_bwd_sm90 import _lse2, delta_rows, ds_tile_at, lo_rows
+from .pipeline import copy_in, copy_out, slot, wait
 from .rounding import fused_score
+from .ws_pipeline import (HALF, consumer_tiles, fill, init_ws_barriers, release_tiles, turn_pass, turn_wait,
+                          ws_program)
 
 
 @gluon.jit
@@ -34,52 +35,41 @@ def _dq_tiles_ws(q_t, do_t, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, 
     the rings' barriers."""
     wait(k_ready, first, STAGES)
     wait(v_ready, first, V_STAGES)
-    _turn(turn, 0, n_other, ME, PINGPONG)
+    turn_wait(turn, 0, n_other, ME, PINGPONG)
     s = warpgroup_mma(q_t, slot(k_ring, first, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                       is_async=True)
     dp = warpgroup_mma(do_t, slot(v_ring, first, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero, use_acc=False,
                        is_async=True)
-    _pass_turn(turn, ME, PINGPONG)
+    turn_pass(turn, ME, PINGPONG)
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     mbarrier.arrive(v_empty.index(first % V_STAGES), count=1)
-    if (n_full > 0) & (n_lfull <= 0):
-        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
-                      alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
-                      HAS_ALIBI=HAS_ALIBI)
-    else:
-        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
-                      alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
-                      HAS_ALIBI=HAS_ALIBI)
+    ds = ds_tile_at(s, dp, 0, n_lo, n_lfull, n_full, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap,
+                    slope, alibi_off, s_layout, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE, HAS_SOFTCAP, HAS_ALIBI)
     ds = gl.convert_layout(ds.to(dtype), op_layout)
     for j in range(1, n_tiles):
         r = first + j
         wait(k_ready, r, STAGES)
         wait(v_ready, r, V_STAGES)
-        _turn(turn, j, n_other, ME, PINGPONG)
+        turn_wait(turn, j, n_other, ME, PINGPONG)
         s = warpgroup_mma(q_t, slot(k_ring, r, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
         dp = warpgroup_mma(do_t, slot(v_ring, r, BLOCK_N, D, V_STAGES).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
         dq = warpgroup_mma(ds, slot(k_ring, r - 1, BLOCK_N, D, STAGES), dq, is_async=True)
-        _pass_turn(turn, ME, PINGPONG)
+        turn_pass(turn, ME, PINGPONG)
         # S_j, dP_j are done; dQ's product of tile j - 1 may still run.  V_j's slot is free.
         s, dp = warpgroup_mma_wait(1, deps=(s, dp))
         mbarrier.arrive(v_empty.index(r % V_STAGES), count=1)
-        if (j < n_full) & (j >= n_lfull):
-            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
-                              softcap, slope, alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE,
-                              HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
-        else:
-            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
-                              softcap, slope, alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE,
-                              HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+        ds_new = ds_tile_at(s, dp, j, n_lo, n_lfull, n_full, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
+                            softcap, slope, alibi_off, s_layout, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE, HAS_SOFTCAP,
+                            HAS_ALIBI)
         dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
         mbarrier.arrive(k_empty.index((r - 1) % STAGES), count=1)
         ds = gl.convert_layout(ds_new.to(dtype), op_layout)
     last = first + n_tiles - 1
-    _turn(turn, n_tiles, n_other, ME, PINGPONG)
+    turn_wait(turn, n_tiles, n_other, ME, PINGPONG)
     dq = warpgroup_mma(ds, slot(k_ring, last, BLOCK_N, D, STAGES), dq, is_async=True)
-    _pass_turn(turn, ME, PINGPONG)
+    turn_pass(turn, ME, PINGPONG)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     mbarrier.arrive(k_empty.index(last % STAGES), count=1)
     return dq
@@ -103,20 +93,9 @@ def _dq_consumer(dq_desc, LSE, LSE_LO, DELTA, far_at, O, DLSE, stride_ob, stride
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    mc = m0 + ME * HALF
-    n_lo, n_tiles, n_lfull, n_full = key_window(mc, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
-    if n_tiles <= 0:
-        n_tiles = 0
-        n_lo = u_lo + u_tiles
-    first = n_lo - u_lo
-    if PINGPONG:
-        _, o_tiles, _, _ = key_window(m0 + (1 - ME) * HALF, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
-        n_other = gl.where(o_tiles > 0, o_tiles + 1, 0)
-    else:
-        n_other = 0
-    for r in range(0, first):
-        _release(k_ready, k_empty, r, STAGES)
-        _release(v_ready, v_empty, r, V_STAGES)
+    mc, n_lo, n_tiles, n_lfull, n_full, first, n_other = consumer_tiles(m0, Sq, Sk, offset, span, u_lo, u_tiles, ME,
+                                                                        BLOCK_N, CAUSAL, HAS_WL, PINGPONG)
+    release_tiles(k_ready, k_empty, v_ready, v_empty, 0, first, STAGES, V_STAGES)
 
     o_m = mc + gl.arange(0, HALF, layout=row_s)
     lse2, lo = _lse2(LSE, LSE_LO, row, o_m, Sq, HAS_LO)
@@ -125,29 +104,14 @@ def _dq_consumer(dq_desc, LSE, LSE_LO, DELTA, far_at, O, DLSE, stride_ob, stride
     mbarrier.wait(q_bar, 0)
     q_t = q_smem.reshape([HALF, D])
     do_t = do_smem.reshape([HALF, D])
-    if DELTA_HERE:  # as the dQ kernel: delta = rowsum(o * dO) - dlse, stored for the dK/dV kernel
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        r = mc + gl.arange(0, HALF, layout=gl.SliceLayout(1, blk))
-        c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-        o_rows = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + (q_start + r).to(gl.int64) * stride_os
-        o_tile = gl.load(o_rows[:, None] + c[None, :], mask=(r < Sq)[:, None], other=0.0)
-        d_rows = gl.sum(o_tile.to(gl.float32) * do_t.load(blk).to(gl.float32), axis=1)
-        if HAS_DLSE:
-            d_rows -= gl.load(DLSE + row + r, mask=r < Sq, other=0.0)
-        gl.store(DELTA + row + r, d_rows, mask=r < Sq)
-        delta = gl.convert_layout(d_rows, row_s)
+    if DELTA_HERE:
+        delta = delta_rows(O, DLSE, DELTA, do_t, b, h, q_start, mc, Sq, row, stride_ob, stride_os, stride_oh, row_s,
+                           HAS_DLSE, HALF, D, 4)
     else:
         delta = gl.load(DELTA + row + o_m, mask=o_m < Sq, other=0.0)
 
     if n_tiles > 0:
-        if HAS_LO:
-            lo_here = gl.max(gl.where(o_m < Sq, gl.abs(lse2), 0.0), axis=0) >= LO_FROM
-            if FAR_OUT:
-                if lo_here:
-                    gl.atomic_or(far_at, 1)
-        else:
-            lo_here = False
-        if lo_here:
+        if lo_rows(lse2, o_m, Sq, far_at, HAS_LO, FAR_OUT):
             dq = _dq_tiles_ws(q_t, do_t, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, turn, dq, s_zero, first,
                               n_lo, n_tiles, n_lfull, n_full, n_other, Sk, o_m, lse2, lo, delta, offset, span,
                               qk_scale, scale, softcap, slope, alibi_off, s_layout, op_layout, dtype, BLOCK_N, D,
@@ -161,9 +125,7 @@ def _dq_consumer(dq_desc, LSE, LSE_LO, DELTA, far_at, O, DLSE, stride_ob, stride
     q_smem.reshape([HALF, D]).store((dq * scale).to(dtype))  # this half's Q is read no more
     fence_async_shared()
     copy_out(dq_desc, b, mc, h, q_start, Sq, q_smem, VARLEN)
-    for r in range(first + n_tiles, u_tiles):
-        _release(k_ready, k_empty, r, STAGES)
-        _release(v_ready, v_empty, r, V_STAGES)
+    release_tiles(k_ready, k_empty, v_ready, v_empty, first + n_tiles, u_tiles, STAGES, V_STAGES)
     tma.store_wait(0)
 
 
@@ -194,14 +156,8 @@ def _dq_loader(q_desc, k_desc, v_desc, do_desc, q_smem0, q_smem1, do_smem0, do_s
     copy_in(q_desc, b, m0 + HALF, h, q_start, Sq, q_bars.index(1), q_smem1, True, VARLEN)
     copy_in(do_desc, b, m0 + HALF, h, q_start, Sq, q_bars.index(1), do_smem1, True, VARLEN)
     for r in range(0, u_tiles):
-        sk = r % STAGES
-        mbarrier.wait(k_empty.index(sk), ((r // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(sk), k_desc.block_type.nbytes)
-        copy_in(k_desc, b, (u_lo + r) * BLOCK_N, hk, k_start, Sk, k_ready.index(sk), k_ring.index(sk), True, VARLEN)
-        sv = r % V_STAGES
-        mbarrier.wait(v_empty.index(sv), ((r // V_STAGES) & 1) ^ 1)
-        mbarrier.expect(v_ready.index(sv), v_desc.block_type.nbytes)
-        copy_in(v_desc, b, (u_lo + r) * BLOCK_N, hk, k_start, Sk, v_ready.index(sv), v_ring.index(sv), True, VARLEN)
+        fill(k_desc, k_ring, k_ready, k_empty, r, (u_lo + r) * BLOCK_N, b, hk, k_start, Sk, STAGES, VARLEN)
+        fill(v_desc, v_ring, v_ready, v_empty, r, (u_lo + r) * BLOCK_N, b, hk, k_start, Sk, V_STAGES, VARLEN)
 
 
 @gluon.jit
@@ -217,18 +173,10 @@ def attn_bwd_dq_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LS
     # the arguments mean attn_bwd_dq_sm90_kernel's; a program owns 2 * 64 query rows (num_warps = 4:
     # the default partition is the first consumer); q, dO and dQ boxes are 64 rows
     dtype: gl.constexpr = q_desc.dtype
-    b, h, hk, m0 = query_block(Sq, Hq, group, 2 * HALF, CAUSAL)
-    far_at = FAR + b * (Hq // group) + hk  # the dK/dV kernel's program_id(1), before `sequence` maps b
-    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
-                                                   bottom_right, VARLEN)
-    alibi_off = offset - right
-    if HAS_ALIBI:
-        slope = gl.load(SLOPES + b * stride_sb + h * stride_sh)
-    else:
-        slope = 0.0
-    u_lo, u_tiles, _, _ = key_window(m0, Sq, Sk, offset, span, 2 * HALF, BLOCK_N, CAUSAL, HAS_WL)
-    u_tiles = gl.maximum(u_tiles, 0)
-    row = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
+    kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope, u_lo, u_tiles, row = ws_program(
+        Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES, stride_sb,
+        stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, HAS_ALIBI, VARLEN)
+    far_at = FAR + kv_row  # the dK/dV kernel's program_id(1)
 
     q_smem0 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     q_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
@@ -242,18 +190,7 @@ def attn_bwd_dq_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LS
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bars.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-    for i in gl.static_range(V_STAGES):
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
-    fence_async_shared()
-    if PINGPONG:  # consumer 0 issues first
-        mbarrier.arrive(turn.index(0), count=1)
+    init_ws_barriers(q_bars, turn, k_ready, k_empty, v_ready, v_empty, STAGES, V_STAGES, PINGPONG)
 
     gl.warp_specialize([
         (_dq_consumer, (dq_desc, LSE, LSE_LO, DELTA, far_at, O, DLSE, stride_ob, stride_os, stride_oh, q_smem0,

@@ -640,6 +640,58 @@ def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
 
 
 @gluon.jit
+def ds_tile_at(s, dp, j, n_lo, n_lfull, n_full, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap,
+               slope, alibi_off, s_layout: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+               BLOCK_N: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+               HAS_ALIBI: gl.constexpr):
+    """`_ds_tile` of key tile n_lo + j (`key_window`'s counting), with the mask where the tile needs
+    one (before n_lfull or from n_full on): one copy of the element-wise code for each."""
+    if (j < n_full) & (j >= n_lfull):
+        ds = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap,
+                      slope, alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE,
+                      HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+    else:
+        ds = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap,
+                      slope, alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE,
+                      HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+    return ds
+
+
+@gluon.jit
+def delta_rows(O, DLSE, DELTA, do_t, b, h, q_start, m0, Sq, row, stride_ob, stride_os, stride_oh,
+               row_s: gl.constexpr, HAS_DLSE: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+               num_warps: gl.constexpr):
+    """delta = rowsum(o * dO) - dlse of query rows m0 + [0, BLOCK_M) (dO from shared memory,
+    do_t), stored for the dK/dV kernel that runs next and returned in `row_s`: computed in the dQ
+    kernel rather than in a kernel of its own (one launch fewer a step, and o read once)."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    o_rows = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + (q_start + r).to(gl.int64) * stride_os
+    o_tile = gl.load(o_rows[:, None] + c[None, :], mask=(r < Sq)[:, None], other=0.0)
+    d_rows = gl.sum(o_tile.to(gl.float32) * do_t.load(blk).to(gl.float32), axis=1)
+    if HAS_DLSE:
+        d_rows -= gl.load(DLSE + row + r, mask=r < Sq, other=0.0)
+    gl.store(DELTA + row + r, d_rows, mask=r < Sq)
+    return gl.convert_layout(d_rows, row_s)
+
+
+@gluon.jit
+def lo_rows(lse2, o_m, Sq, far_at, HAS_LO: gl.constexpr, FAR_OUT: gl.constexpr):
+    """Whether these query rows need lse's low part (as the dK/dV kernel's `_lo_needed`, over a
+    dQ program's rows); FAR_OUT: a program that does marks its GQA group at far_at for the dK/dV
+    kernel launched next."""
+    if HAS_LO:
+        lo_here = gl.max(gl.where(o_m < Sq, gl.abs(lse2), 0.0), axis=0) >= LO_FROM
+        if FAR_OUT:
+            if lo_here:
+                gl.atomic_or(far_at, 1)
+    else:
+        lo_here = False
+    return lo_here
+
+
+@gluon.jit
 def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_lo, n_tiles, n_lfull, n_full, b,
               hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, scale, softcap, slope, alibi_off,
               s_layout: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -656,14 +708,8 @@ def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_z
                        is_async=True)
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     load_rows(v_desc, v_ring, v_bars, V_STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
-    if (n_full > 0) & (n_lfull <= 0):
-        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
-                      alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
-                      HAS_ALIBI=HAS_ALIBI)
-    else:
-        ds = _ds_tile(s, dp, n_lo * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
-                      alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
-                      HAS_ALIBI=HAS_ALIBI)
+    ds = ds_tile_at(s, dp, 0, n_lo, n_lfull, n_full, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap,
+                    slope, alibi_off, s_layout, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE, HAS_SOFTCAP, HAS_ALIBI)
     ds = gl.convert_layout(ds.to(dtype), op_layout)
     for j in range(1, n_tiles):
         wait(k_bars, j, STAGES)
@@ -676,14 +722,9 @@ def _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_z
         # S_j, dP_j are done; dQ's product of tile j-1 may still run.  V_j's slot is free.
         s, dp = warpgroup_mma_wait(1, deps=(s, dp))
         load_rows(v_desc, v_ring, v_bars, j + V_STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES, VARLEN)
-        if (j < n_full) & (j >= n_lfull):
-            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
-                              softcap, slope, alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE,
-                              HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
-        else:
-            ds_new = _ds_tile(s, dp, (n_lo + j) * BLOCK_N, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
-                              softcap, slope, alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE=FUSE,
-                              HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+        ds_new = ds_tile_at(s, dp, j, n_lo, n_lfull, n_full, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
+                            softcap, slope, alibi_off, s_layout, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE, HAS_SOFTCAP,
+                            HAS_ALIBI)
         dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
         load_rows(k_desc, k_ring, k_bars, j - 1 + STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
         ds = gl.convert_layout(ds_new.to(dtype), op_layout)
@@ -756,30 +797,13 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
     q_t = q_smem.reshape([BLOCK_M, D])
     do_t = do_smem.reshape([BLOCK_M, D])
     if DELTA_HERE:
-        # delta = rowsum(o * dO) - dlse for these rows, here rather than in a kernel of its own (one
-        # launch fewer a step, and o read once), stored for the dK/dV kernel that runs next
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-        r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
-        c = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-        o_rows = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + (q_start + r).to(gl.int64) * stride_os
-        o_tile = gl.load(o_rows[:, None] + c[None, :], mask=(r < Sq)[:, None], other=0.0)
-        d_rows = gl.sum(o_tile.to(gl.float32) * do_t.load(blk).to(gl.float32), axis=1)
-        if HAS_DLSE:
-            d_rows -= gl.load(DLSE + row + r, mask=r < Sq, other=0.0)
-        gl.store(DELTA + row + r, d_rows, mask=r < Sq)
-        delta = gl.convert_layout(d_rows, row_s)
+        delta = delta_rows(O, DLSE, DELTA, do_t, b, h, q_start, m0, Sq, row, stride_ob, stride_os, stride_oh, row_s,
+                           HAS_DLSE, BLOCK_M, D, num_warps)
     else:
         delta = gl.load(DELTA + row + o_m, mask=o_m < Sq, other=0.0)
 
     if n_tiles > 0:
-        if HAS_LO:  # as in the dK/dV kernel (`_lo_needed`), over this program's rows
-            lo_here = gl.max(gl.where(o_m < Sq, gl.abs(lse2), 0.0), axis=0) >= LO_FROM
-            if FAR_OUT:
-                if lo_here:
-                    gl.atomic_or(far_at, 1)
-        else:
-            lo_here = False
-        if lo_here:
+        if lo_rows(lse2, o_m, Sq, far_at, HAS_LO, FAR_OUT):
             dq = _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_lo, n_tiles,
                            n_lfull, n_full, b, hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, scale,
                            softcap, slope, alibi_off, s_layout, op_layout, dtype, BLOCK_N, D, STAGES, V_STAGES, VARLEN,

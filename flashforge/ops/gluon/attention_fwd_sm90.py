@@ -70,6 +70,37 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, span, qk_scale, scale, softc
 
 
 @gluon.jit
+def softmax_tile(s, m_i, l_i, j, n_lo, n_lfull, n_full, o_m, Sk, offset, span, qk_scale, scale, softcap, slope,
+                 alibi_off, s_layout: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, BLOCK_N: gl.constexpr,
+                 FUSE: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """`_softmax_step` of key tile n_lo + j (`key_window`'s counting), with the mask where the tile
+    needs one (before n_lfull or from n_full on): one copy of the element-wise code for each."""
+    if (j < n_full) & (j >= n_lfull):
+        p, alpha, m_new, l_new = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span, qk_scale,
+                                               scale, softcap, slope, alibi_off, s_layout, False, CAUSAL, HAS_WL,
+                                               BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+    else:
+        p, alpha, m_new, l_new = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span, qk_scale,
+                                               scale, softcap, slope, alibi_off, s_layout, True, CAUSAL, HAS_WL,
+                                               BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def finish_rows(acc, m_i, l_i, LSE, LSE_LO, row, o_m, Sq, row_o: gl.constexpr, STORE_LO: gl.constexpr):
+    """o = acc / l (rows with no visible key, l = 0: o = 0, lse = -inf) and the rows' lse (and,
+    STORE_LO, its low part) stored at LSE + row + o_m for the rows before Sq."""
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    log2_l = gl.log2(l_safe)
+    lse = gl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
+    gl.store(LSE + row + o_m, lse, mask=o_m < Sq)
+    if STORE_LO:  # near a large m the two terms are close, so m - hi is exact
+        gl.store(LSE_LO + row + o_m, gl.where(empty, 0.0, (m_i - mul_rn(lse, LOG2E)) + log2_l), mask=o_m < Sq)
+    return acc / gl.convert_layout(l_safe, row_o)[:, None]
+
+
+@gluon.jit
 def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb, stride_lh, CU_Q, CU_K, ORDER, Hq, Sq,
                          Sk, total_q, total_k, group, offset, bottom_right, span, qk_scale, scale, softcap, SLOPES,
                          stride_sb, stride_sh, right, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
@@ -143,14 +174,9 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
                           is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
         load_rows(k_desc, k_ring, k_bars, STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
-        if (n_full > 0) & (n_lfull <= 0):
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, scale,
-                                               softcap, slope, alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N,
-                                               FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
-        else:
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, scale,
-                                               softcap, slope, alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N,
-                                               FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, 0, n_lo, n_lfull, n_full, o_m, Sk, offset, span, qk_scale,
+                                          scale, softcap, slope, alibi_off, s_layout, CAUSAL, HAS_WL, BLOCK_N, FUSE,
+                                          HAS_SOFTCAP, HAS_ALIBI)
         p = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_tiles):
@@ -162,16 +188,9 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
             # S_j is done (the older group); P_{j-1} V_{j-1} may still run.  K_j's slot is free.
             s = warpgroup_mma_wait(1, deps=(s, ))
             load_rows(k_desc, k_ring, k_bars, j + STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
-            if (j < n_full) & (j >= n_lfull):
-                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span,
-                                                       qk_scale, scale, softcap, slope, alibi_off, s_layout, False,
-                                                       CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
-                                                       HAS_ALIBI=HAS_ALIBI)
-            else:
-                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span,
-                                                       qk_scale, scale, softcap, slope, alibi_off, s_layout, True,
-                                                       CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
-                                                       HAS_ALIBI=HAS_ALIBI)
+            p_new, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, j, n_lo, n_lfull, n_full, o_m, Sk, offset, span,
+                                                  qk_scale, scale, softcap, slope, alibi_off, s_layout, CAUSAL, HAS_WL,
+                                                  BLOCK_N, FUSE, HAS_SOFTCAP, HAS_ALIBI)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
             load_rows(v_desc, v_ring, v_bars, j - 1 + V_STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES,
                       VARLEN)
@@ -187,17 +206,9 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
     invalidate_barriers(k_bars, STAGES)
     invalidate_barriers(v_bars, V_STAGES)
 
-    # fully masked rows (l = 0): o = 0, lse = -inf
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    log2_l = gl.log2(l_safe)
-    lse = gl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
     # lse [B, Hq, Sq]; packed, [1, Hq, total] (stride_lb = 0) from the sequence's first row
     row = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
-    gl.store(LSE + row + o_m, lse, mask=o_m < Sq)
-    if STORE_LO:  # near a large m the two terms are close, so m - hi is exact
-        gl.store(LSE_LO + row + o_m, gl.where(empty, 0.0, (m_i - mul_rn(lse, LOG2E)) + log2_l), mask=o_m < Sq)
-    acc = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    acc = finish_rows(acc, m_i, l_i, LSE, LSE_LO, row, o_m, Sq, row_o, STORE_LO)
     # o through shared memory (q's buffer, no longer read) and TMA, which clips rows past Sq
     q_smem.reshape([BLOCK_M, D]).store(acc.to(dtype))
     fence_async_shared()

@@ -25,36 +25,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_fwd_sm90 import _softmax_step
-from .pipeline import copy_in, copy_out, key_window, query_block, sequence, slot, wait
-from .rounding import LN2, LOG2E, fused_score, mul_rn
-
-HALF = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma tall)
-
-
-@gluon.jit
-def _release(ready, empty, r, STAGES: gl.constexpr):
-    """Ring index r's slot, not computed by this consumer: once its copy has landed (so the
-    arrival counts toward this use of the slot, not an earlier one), hand it back."""
-    wait(ready, r, STAGES)
-    mbarrier.arrive(empty.index(r % STAGES), count=1)
-
-
-@gluon.jit
-def _turn(bars, i, n_other, ME: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: wait until it is this consumer's turn to issue products (its i-th issue), while
-    the other consumer still issues (it makes n_other issues; consumer 0 goes first)."""
-    if PINGPONG:
-        if ME == 0:
-            mbarrier.wait(bars.index(0), i & 1, pred=i <= n_other)
-        else:
-            mbarrier.wait(bars.index(1), i & 1, pred=i < n_other)
-
-
-@gluon.jit
-def _pass_turn(bars, ME: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(bars.index(1 - ME), count=1)
+from .attention_fwd_sm90 import finish_rows, softmax_tile
+from .pipeline import copy_in, copy_out, slot, wait
+from .rounding import fused_score
+from .ws_pipeline import (HALF, consumer_tiles, fill, init_ws_barriers, release_tiles, turn_pass, turn_wait,
+                          ws_program)
 
 
 @gluon.jit
@@ -73,23 +48,9 @@ def _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_emp
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    mc = m0 + ME * HALF
-    n_lo, n_tiles, n_lfull, n_full = key_window(mc, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
-    if n_tiles <= 0:
-        n_tiles = 0
-        n_lo = u_lo + u_tiles
-    first = n_lo - u_lo  # ring index of this consumer's first tile
-    # the other consumer's issue count, for PINGPONG's turns (n_tiles + 1 each: the first tile's
-    # S alone, then S_j with P_{j-1} V_{j-1}, then the last P V alone)
-    if PINGPONG:
-        _, o_tiles, _, _ = key_window(m0 + (1 - ME) * HALF, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
-        n_other = gl.where(o_tiles > 0, o_tiles + 1, 0)
-    else:
-        n_other = 0
-
-    for r in range(0, first):
-        _release(k_ready, k_empty, r, STAGES)
-        _release(v_ready, v_empty, r, V_STAGES)
+    mc, n_lo, n_tiles, n_lfull, n_full, first, n_other = consumer_tiles(m0, Sq, Sk, offset, span, u_lo, u_tiles, ME,
+                                                                        BLOCK_N, CAUSAL, HAS_WL, PINGPONG)
+    release_tiles(k_ready, k_empty, v_ready, v_empty, 0, first, STAGES, V_STAGES)
 
     o_m = mc + gl.arange(0, HALF, layout=row_s)
     m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
@@ -101,43 +62,31 @@ def _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_emp
 
     if n_tiles > 0:
         wait(k_ready, first, STAGES)
-        _turn(turn, 0, n_other, ME, PINGPONG)
+        turn_wait(turn, 0, n_other, ME, PINGPONG)
         s = warpgroup_mma(q, slot(k_ring, first, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-        _pass_turn(turn, ME, PINGPONG)
+        turn_pass(turn, ME, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s, ))
         mbarrier.arrive(k_empty.index(first % STAGES), count=1)
-        if (n_full > 0) & (n_lfull <= 0):
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, scale,
-                                               softcap, slope, alibi_off, s_layout, False, CAUSAL, HAS_WL, BLOCK_N,
-                                               FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
-        else:
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo * BLOCK_N, o_m, Sk, offset, span, qk_scale, scale,
-                                               softcap, slope, alibi_off, s_layout, True, CAUSAL, HAS_WL, BLOCK_N,
-                                               FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, 0, n_lo, n_lfull, n_full, o_m, Sk, offset, span, qk_scale,
+                                          scale, softcap, slope, alibi_off, s_layout, CAUSAL, HAS_WL, BLOCK_N, FUSE,
+                                          HAS_SOFTCAP, HAS_ALIBI)
         p = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_tiles):
             r = first + j
             wait(k_ready, r, STAGES)
             wait(v_ready, r - 1, V_STAGES)
-            _turn(turn, j, n_other, ME, PINGPONG)
+            turn_wait(turn, j, n_other, ME, PINGPONG)
             s = warpgroup_mma(q, slot(k_ring, r, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
             acc = warpgroup_mma(p, slot(v_ring, r - 1, BLOCK_N, D, V_STAGES), acc, is_async=True)
-            _pass_turn(turn, ME, PINGPONG)
+            turn_pass(turn, ME, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s, ))  # S_j done; P_{j-1} V_{j-1} may still run
             mbarrier.arrive(k_empty.index(r % STAGES), count=1)
-            if (j < n_full) & (j >= n_lfull):
-                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span,
-                                                       qk_scale, scale, softcap, slope, alibi_off, s_layout, False,
-                                                       CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
-                                                       HAS_ALIBI=HAS_ALIBI)
-            else:
-                p_new, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span,
-                                                       qk_scale, scale, softcap, slope, alibi_off, s_layout, True,
-                                                       CAUSAL, HAS_WL, BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP,
-                                                       HAS_ALIBI=HAS_ALIBI)
+            p_new, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, j, n_lo, n_lfull, n_full, o_m, Sk, offset, span,
+                                                  qk_scale, scale, softcap, slope, alibi_off, s_layout, CAUSAL, HAS_WL,
+                                                  BLOCK_N, FUSE, HAS_SOFTCAP, HAS_ALIBI)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
             mbarrier.arrive(v_empty.index((r - 1) % V_STAGES), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -145,28 +94,17 @@ def _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_emp
 
         last = first + n_tiles - 1
         wait(v_ready, last, V_STAGES)
-        _turn(turn, n_tiles, n_other, ME, PINGPONG)
+        turn_wait(turn, n_tiles, n_other, ME, PINGPONG)
         acc = warpgroup_mma(p, slot(v_ring, last, BLOCK_N, D, V_STAGES), acc, is_async=True)
-        _pass_turn(turn, ME, PINGPONG)
+        turn_pass(turn, ME, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(last % V_STAGES), count=1)
 
-    # rows with no visible key (l = 0): o = 0, lse = -inf
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    log2_l = gl.log2(l_safe)
-    lse = gl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
-    gl.store(LSE + row_lse + o_m, lse, mask=o_m < Sq)
-    if STORE_LO:
-        gl.store(LSE_LO + row_lse + o_m, gl.where(empty, 0.0, (m_i - mul_rn(lse, LOG2E)) + log2_l), mask=o_m < Sq)
-    acc = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    acc = finish_rows(acc, m_i, l_i, LSE, LSE_LO, row_lse, o_m, Sq, row_o, STORE_LO)
     q_smem.reshape([HALF, D]).store(acc.to(dtype))  # this half's Q is read no more
     fence_async_shared()
     copy_out(o_desc, b, mc, h, q_start, Sq, q_smem, VARLEN)
-
-    for r in range(first + n_tiles, u_tiles):
-        _release(k_ready, k_empty, r, STAGES)
-        _release(v_ready, v_empty, r, V_STAGES)
+    release_tiles(k_ready, k_empty, v_ready, v_empty, first + n_tiles, u_tiles, STAGES, V_STAGES)
     tma.store_wait(0)
 
 
@@ -195,17 +133,10 @@ def _loader(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_ring, v_ring, q_bars, k_
     copy_in(q_desc, b, m0 + HALF, h, q_start, Sq, q_bars.index(1), q_smem1, True, VARLEN)
     for r in range(0, u_tiles + 1):
         if r < u_tiles:
-            sk = r % STAGES
-            mbarrier.wait(k_empty.index(sk), ((r // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(sk), k_desc.block_type.nbytes)
-            copy_in(k_desc, b, (u_lo + r) * BLOCK_N, hk, k_start, Sk, k_ready.index(sk), k_ring.index(sk), True,
-                    VARLEN)
+            fill(k_desc, k_ring, k_ready, k_empty, r, (u_lo + r) * BLOCK_N, b, hk, k_start, Sk, STAGES, VARLEN)
         if r > 0:
-            sv = (r - 1) % V_STAGES
-            mbarrier.wait(v_empty.index(sv), (((r - 1) // V_STAGES) & 1) ^ 1)
-            mbarrier.expect(v_ready.index(sv), v_desc.block_type.nbytes)
-            copy_in(v_desc, b, (u_lo + r - 1) * BLOCK_N, hk, k_start, Sk, v_ready.index(sv), v_ring.index(sv), True,
-                    VARLEN)
+            fill(v_desc, v_ring, v_ready, v_empty, r - 1, (u_lo + r - 1) * BLOCK_N, b, hk, k_start, Sk, V_STAGES,
+                 VARLEN)
 
 
 @gluon.jit
@@ -219,17 +150,9 @@ def attn_fwd_ws_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_
     # the arguments mean attention_fwd_sm90's; a program owns 2 * 64 query rows (num_warps = 4:
     # the default partition is the first consumer)
     dtype: gl.constexpr = q_desc.dtype
-    b, h, hk, m0 = query_block(Sq, Hq, group, 2 * HALF, CAUSAL)
-    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
-                                                   bottom_right, VARLEN)
-    alibi_off = offset - right
-    if HAS_ALIBI:
-        slope = gl.load(SLOPES + b * stride_sb + h * stride_sh)
-    else:
-        slope = 0.0
-    u_lo, u_tiles, _, _ = key_window(m0, Sq, Sk, offset, span, 2 * HALF, BLOCK_N, CAUSAL, HAS_WL)
-    u_tiles = gl.maximum(u_tiles, 0)
-    row_lse = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
+    _, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope, u_lo, u_tiles, row_lse = ws_program(
+        Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES, stride_sb,
+        stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, HAS_ALIBI, VARLEN)
 
     q_smem0 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     q_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
@@ -241,18 +164,7 @@ def attn_fwd_ws_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bars.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-    for i in gl.static_range(V_STAGES):
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
-    fence_async_shared()
-    if PINGPONG:  # consumer 0 issues first
-        mbarrier.arrive(turn.index(0), count=1)
+    init_ws_barriers(q_bars, turn, k_ready, k_empty, v_ready, v_empty, STAGES, V_STAGES, PINGPONG)
 
     gl.warp_specialize([
         (_consumer, (o_desc, LSE, LSE_LO, q_smem0, k_ring, v_ring, q_bars.index(0), k_ready, k_empty, v_ready,

@@ -1,0 +1,119 @@
+"""What the warp-specialized sm_90 kernels share (attention_fwd_ws_sm90, attention_bwd_dq_ws_sm90):
+a program of two 64-row consumers, their rings with "ready" barriers (the copy engine completes
+them) and "empty" barriers (both consumers arrive once a slot's products are done), and the
+ping-pong turns.
+
+A ring's slot r % STAGES holds tile r of the program's union of key tiles (`ws_program`); use
+r of a slot is phase (r // STAGES) & 1 of both its barriers.  A fresh empty barrier reads as
+complete for phase 1, so the loader's first STAGES fills do not wait."""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from .pipeline import copy_in, key_window, query_block, sequence, wait
+
+HALF = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma tall)
+
+
+@gluon.jit
+def ws_program(Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES,
+               stride_sb, stride_sh, stride_lb, stride_lh, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               HAS_WL: gl.constexpr, HAS_ALIBI: gl.constexpr, VARLEN: gl.constexpr):
+    """(kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope, u_lo, u_tiles, row) of
+    this program's 2 * 64 query rows: `query_block` and `sequence` as the one-warpgroup kernels
+    use them; kv_row, the dK/dV kernel's program row of this (b, hk) before `sequence` maps b;
+    the union of both halves' key tiles [u_lo, u_lo + u_tiles); row, where this head's lse rows
+    start."""
+    b, h, hk, m0 = query_block(Sq, Hq, group, 2 * HALF, CAUSAL)
+    kv_row = b * (Hq // group) + hk
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
+                                                   bottom_right, VARLEN)
+    alibi_off = offset - right
+    if HAS_ALIBI:
+        slope = gl.load(SLOPES + b * stride_sb + h * stride_sh)
+    else:
+        slope = 0.0
+    u_lo, u_tiles, _, _ = key_window(m0, Sq, Sk, offset, span, 2 * HALF, BLOCK_N, CAUSAL, HAS_WL)
+    u_tiles = gl.maximum(u_tiles, 0)
+    row = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
+    return kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope, u_lo, u_tiles, row
+
+
+@gluon.jit
+def init_ws_barriers(q_bars, turn, k_ready, k_empty, v_ready, v_empty, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                     PINGPONG: gl.constexpr):
+    """One count for the copy engine's barriers and the turns, two (both consumers) for the empty ones."""
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    if PINGPONG:  # consumer 0 issues first
+        mbarrier.arrive(turn.index(0), count=1)
+
+
+@gluon.jit
+def consumer_tiles(m0, Sq, Sk, offset, span, u_lo, u_tiles, ME: gl.constexpr, BLOCK_N: gl.constexpr,
+                   CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, PINGPONG: gl.constexpr):
+    """(mc, n_lo, n_tiles, n_lfull, n_full, first, n_other) of consumer ME: its rows' first row,
+    `key_window` over them, the ring index of its first tile, and (PINGPONG) the other consumer's
+    issue count (n_tiles + 1 each: the first tile's S alone, then one a tile, then the last P V)."""
+    mc = m0 + ME * HALF
+    n_lo, n_tiles, n_lfull, n_full = key_window(mc, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
+    if n_tiles <= 0:
+        n_tiles = 0
+        n_lo = u_lo + u_tiles
+    if PINGPONG:
+        _, o_tiles, _, _ = key_window(m0 + (1 - ME) * HALF, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
+        n_other = gl.where(o_tiles > 0, o_tiles + 1, 0)
+    else:
+        n_other = 0
+    return mc, n_lo, n_tiles, n_lfull, n_full, n_lo - u_lo, n_other
+
+
+@gluon.jit
+def release(ready, empty, r, STAGES: gl.constexpr):
+    """Ring index r's slot, not computed by this consumer: once its copy has landed (so the
+    arrival counts toward this use of the slot, not an earlier one), hand it back."""
+    wait(ready, r, STAGES)
+    mbarrier.arrive(empty.index(r % STAGES), count=1)
+
+
+@gluon.jit
+def release_tiles(k_ready, k_empty, v_ready, v_empty, r0, r1, STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """`release` of ring indices [r0, r1) in both rings: the union's tiles this consumer skips."""
+    for r in range(r0, r1):
+        release(k_ready, k_empty, r, STAGES)
+        release(v_ready, v_empty, r, V_STAGES)
+
+
+@gluon.jit
+def fill(desc, ring, ready, empty, r, row, b, h, start, length, STAGES: gl.constexpr, VARLEN: gl.constexpr):
+    """The loader's copy of tile r (rows from `row`) into its slot, once both consumers have
+    released the slot's previous tile."""
+    s = r % STAGES
+    mbarrier.wait(empty.index(s), ((r // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), desc.block_type.nbytes)
+    copy_in(desc, b, row, h, start, length, ready.index(s), ring.index(s), True, VARLEN)
+
+
+@gluon.jit
+def turn_wait(bars, i, n_other, ME: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: wait until it is this consumer's turn to issue products (its i-th issue), while
+    the other consumer still issues (it makes n_other issues; consumer 0 goes first)."""
+    if PINGPONG:
+        if ME == 0:
+            mbarrier.wait(bars.index(0), i & 1, pred=i <= n_other)
+        else:
+            mbarrier.wait(bars.index(1), i & 1, pred=i < n_other)
+
+
+@gluon.jit
+def turn_pass(bars, ME: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(bars.index(1 - ME), count=1)
