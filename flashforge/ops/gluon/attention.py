@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import os
 import struct
-from dataclasses import replace
 
 import torch
 
@@ -67,18 +66,12 @@ def _ws_dq_kernel():
 _SMEM_SM90 = 232448  # bytes of shared memory a block may opt into on sm_90
 
 
-def ws_shared_bytes(cfg, D: int) -> int:
-    """The warp-specialized forward's shared memory (16-bit tiles): both consumers' Q (o's
-    staging too), the K and V rings, and 1 KB for the barriers and alignment (the compiled kernels
-    use 120-472 B)."""
+def ws_shared_bytes(cfg, D: int, resident: int = 1) -> int:
+    """A warp-specialized kernel's shared memory (16-bit tiles): each consumer's `resident` 64-row
+    tiles (the forward: Q, o's staging too; the dQ kernel: Q and dO), the K and V rings, and 1 KB
+    for the barriers and alignment (the compiled kernels use 120-472 B)."""
     v_stages = cfg.v_stages or max(2, cfg.num_stages)
-    return 2 * (2 * 64 * D + (max(2, cfg.num_stages) + v_stages) * cfg.block_n * D) + 1024
-
-
-def ws_dq_shared_bytes(cfg, D: int) -> int:
-    """The warp-specialized dQ kernel's: both consumers' Q and dO, the K and V rings, 1 KB more."""
-    v_stages = cfg.v_stages or max(2, cfg.num_stages)
-    return 2 * (4 * 64 * D + (max(2, cfg.num_stages) + v_stages) * cfg.block_n * D) + 1024
+    return 2 * (2 * resident * 64 * D + (max(2, cfg.num_stages) + v_stages) * cfg.block_n * D) + 1024
 
 
 # the warp-specialized forward's register split (setmaxnreg): 240 for each consumer warpgroup,
@@ -231,21 +224,19 @@ def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None)
     w = _window(params)
     mod, mod_flags = _modifiers(params, lse)
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
-    if cfg.consumers == 2:  # boxes of one consumer's 64 rows
-        launch(_ws_kernel(), grid, desc(q, 64), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, 64), lse,
-               lse if lse_lo is None else lse_lo,
-               s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],
-               _qk_scale(params.scale), *mod, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags,
-               BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
-               VARLEN=params.is_varlen, STORE_LO=lse_lo is not None, PINGPONG=cfg.pingpong,
-               CONSUMER_REGS=_WS_REGS[0], LOADER_REGS=_WS_REGS[1], num_warps=4)
-        return o, lse
-    launch(kernel, grid, desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, cfg.block_m), lse,
-           lse if lse_lo is None else lse_lo,
-           s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],
-           _qk_scale(params.scale), *mod, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_M=cfg.block_m,
-           BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
-           Q_IN_REGS=_Q_IN_REGS, VARLEN=params.is_varlen, STORE_LO=lse_lo is not None, num_warps=cfg.num_warps)
+    ws = cfg.consumers == 2
+    rows = 64 if ws else cfg.block_m  # q's and o's boxes (warp-specialized: one consumer's rows)
+    args = (desc(q, rows), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, rows), lse,
+            lse if lse_lo is None else lse_lo, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset,
+            br, w["span"], _qk_scale(params.scale), *mod)
+    common = dict(CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_N=cfg.block_n, D=D,
+                  STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
+                  VARLEN=params.is_varlen, STORE_LO=lse_lo is not None)
+    if ws:
+        launch(_ws_kernel(), grid, *args, **common, PINGPONG=cfg.pingpong, CONSUMER_REGS=_WS_REGS[0],
+               LOADER_REGS=_WS_REGS[1], num_warps=4)
+    else:
+        launch(kernel, grid, *args, **common, BLOCK_M=cfg.block_m, Q_IN_REGS=_Q_IN_REGS, num_warps=cfg.num_warps)
     return o, lse
 
 
@@ -280,7 +271,7 @@ def bwd_tiles_fit(kind: str, cfg, head_dim: int) -> bool:
         return False
     if cfg.consumers == 2:  # the warp-specialized dQ kernel: two 64-row consumers of 4 warps
         return kind == "bwd_q" and cfg.block_m == 128 and cfg.num_warps == 4 and \
-            ws_dq_shared_bytes(cfg, head_dim) <= _SMEM_SM90
+            ws_shared_bytes(cfg, head_dim, resident=2) <= _SMEM_SM90
     return (cfg.block_n if kind == "bwd_kv" else cfg.block_m) == 16 * cfg.num_warps
 
 
@@ -366,11 +357,19 @@ def dq_descriptor(dq_acc, params: AttnParams):
     return _unchecked_descriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 64, 1, DQ_COLS], layout)
 
 
+def input_rows(cfg) -> tuple[int, int]:
+    """Rows of (q and dO, k and v) in a backward kernel's boxes with tiles `cfg`: its tiles', but
+    one consumer's 64 rows of the warp-specialized dQ kernel's 128."""
+    return (64 if cfg.consumers == 2 else cfg.block_m), cfg.block_n
+
+
 def input_descriptors(q, k, v, do, params: AttnParams, cfg):
-    """The descriptors of (q, k, v, dO) with `cfg`'s boxes: both backward kernels read them, so
-    with equal tiles one set serves both (four fewer to build and a step's host time shorter)."""
+    """The descriptors of (q, k, v, dO) with `cfg`'s boxes (`input_rows`): both backward kernels
+    read them, so where their boxes agree one set serves both (four fewer to build and a step's
+    host time shorter)."""
     desc = _ragged_descriptor if params.is_varlen else _descriptor
-    return desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(do, cfg.block_m)
+    rows_q, rows_k = input_rows(cfg)
+    return desc(q, rows_q), desc(k, rows_k), desc(v, rows_k), desc(do, rows_q)
 
 
 def far_flags(q, k, params: AttnParams, lse_lo):
@@ -432,17 +431,21 @@ def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=Non
     w = _window(params)
     mod, mod_flags = _modifiers(params, lse)
     o_strides = ((0 if params.is_varlen else o.stride(0)), o.stride(1), o.stride(2)) if here else (0, 0, 0)
-    if cfg.consumers == 2:  # warp-specialized: q, dO and dQ in one consumer's 64-row boxes
-        launch(_ws_dq_kernel(), grid, *input_descriptors(q, k, v, do, params, replace(cfg, block_m=64)), desc(dq, 64),
-               lse, lse if lse_lo is None else lse_lo, delta, lse if far is None else far,
-               s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],
-               _qk_scale(params.scale), params.scale, o if here else lse, dlse if dlse is not None else lse,
-               *o_strides, *mod[1:], CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_N=cfg.block_n, D=D,
-               STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
-               VARLEN=params.is_varlen, DELTA_HERE=here, HAS_DLSE=here and dlse is not None,
-               HAS_LO=lse_lo is not None, FAR_OUT=far is not None, PINGPONG=cfg.pingpong,
-               CONSUMER_REGS=_WS_REGS[0], LOADER_REGS=_WS_REGS[1], num_warps=4)
-        return dq
+    ws = cfg.consumers == 2
+    args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dq, input_rows(cfg)[0]), lse,
+            lse if lse_lo is None else lse_lo, delta, lse if far is None else far, s_lb, s_lh, cu_q, cu_k, order, Hq,
+            Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), params.scale,
+            o if here else lse, dlse if dlse is not None else lse, *o_strides, *mod[1:])
+    common = dict(CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_N=cfg.block_n, D=D,
+                  STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
+                  VARLEN=params.is_varlen, DELTA_HERE=here, HAS_DLSE=here and dlse is not None,
+                  HAS_LO=lse_lo is not None, FAR_OUT=far is not None)
+    if ws:
+        launch(_ws_dq_kernel(), grid, *args, **common, PINGPONG=cfg.pingpong, CONSUMER_REGS=_WS_REGS[0],
+               LOADER_REGS=_WS_REGS[1], num_warps=4)
+    else:
+        launch(dq_kernel, grid, *args, **common, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps)
+    return dq
     launch(dq_kernel, grid, *(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dq, cfg.block_m), lse,
            lse if lse_lo is None else lse_lo, delta, lse if far is None else far,
            s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],
