@@ -12,15 +12,9 @@ runs' gradients relative to their largest entry.
 """
 from __future__ import annotations
 
-import json
-
-import torch
-import triton
-
-import flashforge
 from flashforge.benchmark.flops import visible_pairs
 from flashforge.ops.triton import configs
-from _rows import rel_diff, run_rows
+from _rows import finish, rel_diff, row_inputs, run_rows, tiles, training_times
 
 TC = configs.TileConfig
 # (label, S, D, causal, window, Hkv divisor)
@@ -46,35 +40,18 @@ VARIANTS = {
 
 
 def run_row(label, S, D, causal, window, gdiv):
-    B, H = 16384 // S, 2048 // D
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, S, H // gdiv, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    B, H, q, k, v, do = row_inputs(S, D, gdiv)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     fwd_flops = 4.0 * B * H * D * visible_pairs(S, S, causal, 0, window)
     out = {"row": label, "variants": {}}
     grads = {}
     for name, kv in [("ordered", None)] + list(VARIANTS[D].items()):
-        det = kv is None
-        if kv is not None:
-            configs.set_config("bwd_kv", D, 2, kv)
-        try:
-            kw = dict(causal=causal, window=None if window is None else (window, -1), backend="triton",
-                      deterministic=det)
-            o = flashforge.attention(*leaves, **kw)
-            grads[name] = torch.autograd.grad(o, leaves, do, retain_graph=True)
-            ms_b = triton.testing.do_bench(lambda: torch.autograd.grad(o, leaves, do, retain_graph=True),
-                                           return_mode="median")
-
-            def step():
-                torch.autograd.grad(flashforge.attention(*leaves, **kw), leaves, do)
-
-            ms_fb = triton.testing.do_bench(step, return_mode="median")
-        finally:
-            configs.set_config("bwd_kv", D, 2, None)
-        diff = rel_diff(grads[name], grads["ordered"])
+        kw = dict(causal=causal, window=None if window is None else (window, -1), backend="triton",
+                  deterministic=kv is None)
+        with tiles("bwd_kv", D, kv):
+            grads[name], ms_b, ms_fb = training_times(leaves, do, kw)
         out["variants"][name] = {"bwd": 2.5 * fwd_flops / ms_b / 1e9, "fwdbwd": 3.5 * fwd_flops / ms_fb / 1e9,
-                                 "rel_diff": diff}
+                                 "rel_diff": rel_diff(grads[name], grads["ordered"])}
     return out
 
 
@@ -86,12 +63,7 @@ def main():
         for name, v in r["variants"].items():
             print(f"{r['row']:18} {name:28} {v['bwd']:5.0f} {v['bwd'] / base['bwd']:6.2f} {v['fwdbwd']:7.0f} "
                   f"{v['fwdbwd'] / base['fwdbwd']:6.2f}  {v['rel_diff']:.1e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
-    bad = [(r["row"], n) for r in rows for n, v in r["variants"].items() if v["rel_diff"] > 2e-2]
-    if bad:
-        raise SystemExit(f"fused and ordered gradients disagree on: {bad}")
+    finish(rows, args, "fused and ordered gradients")
 
 
 if __name__ == "__main__":

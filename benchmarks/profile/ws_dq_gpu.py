@@ -11,16 +11,9 @@ runs' gradients relative to their largest entry.
 """
 from __future__ import annotations
 
-import json
-import os
-
-import torch
-import triton
-
-import flashforge
 from flashforge.benchmark.flops import visible_pairs
 from flashforge.ops.triton import configs
-from _rows import rel_diff, run_rows
+from _rows import finish, only, rel_diff, row_inputs, run_rows, tiles, training_times
 
 TC = configs.TileConfig
 # (label, S, D, causal, window, Hkv divisor)
@@ -32,37 +25,21 @@ WS = dict(block_m=128, block_n=64, num_warps=4, gluon=True, consumers=2)
 VARIANTS = {"ws s2": TC(num_stages=2, **WS), "ws s2 pp": TC(num_stages=2, pingpong=True, **WS),
             "ws s3 pp": TC(num_stages=3, pingpong=True, **WS)}
 # FF_WS_ROWS / FF_WS_VARIANTS: comma-separated subsets of the labels / variant names (default all)
-_ROWS = [r for r in os.environ.get("FF_WS_ROWS", "").split(",") if r]
-_VARIANTS = [v for v in os.environ.get("FF_WS_VARIANTS", "").split(",") if v]
-ROWS = [r for r in ROWS if not _ROWS or r[0] in _ROWS]
-VARIANTS = {n: c for n, c in VARIANTS.items() if not _VARIANTS or n in _VARIANTS}
+_LABELS = only("FF_WS_ROWS", [r[0] for r in ROWS])
+ROWS = [r for r in ROWS if r[0] in _LABELS]
+VARIANTS = {n: VARIANTS[n] for n in only("FF_WS_VARIANTS", VARIANTS)}
 
 
 def run_row(label, S, D, causal, window, gdiv):
-    B, H = 16384 // S, 2048 // D
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, S, H // gdiv, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    B, H, q, k, v, do = row_inputs(S, D, gdiv)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     fwd_flops = 4.0 * B * H * D * visible_pairs(S, S, causal, 0, window)
     kw = dict(causal=causal, window=None if window is None else (window, -1), backend="triton")
     out = {"row": label, "variants": {}}
     grads = {}
     for name, cfg in [("table", None)] + list(VARIANTS.items()):
-        if cfg is not None:
-            configs.set_config("bwd_q", D, 2, cfg)
-        try:
-            o = flashforge.attention(*leaves, **kw)
-            grads[name] = torch.autograd.grad(o, leaves, do, retain_graph=True)
-            ms_b = triton.testing.do_bench(lambda: torch.autograd.grad(o, leaves, do, retain_graph=True),
-                                           return_mode="median")
-
-            def step():
-                torch.autograd.grad(flashforge.attention(*leaves, **kw), leaves, do)
-
-            ms_fb = triton.testing.do_bench(step, return_mode="median")
-        finally:
-            configs.set_config("bwd_q", D, 2, None)
+        with tiles("bwd_q", D, cfg):
+            grads[name], ms_b, ms_fb = training_times(leaves, do, kw)
         out["variants"][name] = {"bwd": 2.5 * fwd_flops / ms_b / 1e9, "fwdbwd": 3.5 * fwd_flops / ms_fb / 1e9,
                                  "rel_diff": rel_diff(grads[name], grads["table"])}
     return out
@@ -76,12 +53,7 @@ def main():
         cells = [f"{n} {v['bwd']:.0f} ({v['bwd'] / base['bwd']:4.2f}) / {v['fwdbwd']:.0f} "
                  f"({v['fwdbwd'] / base['fwdbwd']:4.2f})" for n, v in r["variants"].items()]
         print(f"{r['row']:26}" + " | ".join(cells))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
-    bad = [(r["row"], n) for r in rows for n, v in r["variants"].items() if not v["rel_diff"] <= 2e-2]
-    if bad:
-        raise SystemExit(f"gradients disagree with the table's backward on: {bad}")
+    finish(rows, args, "gradients and the table's backward's")
 
 
 if __name__ == "__main__":

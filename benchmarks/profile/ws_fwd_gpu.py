@@ -10,16 +10,12 @@ outputs relative to their largest entry.
 """
 from __future__ import annotations
 
-import json
-import os
-
-import torch
 import triton
 
 import flashforge
 from flashforge.benchmark.flops import visible_pairs
 from flashforge.ops.triton import configs
-from _rows import rel_diff, run_rows
+from _rows import finish, only, rel_diff, row_inputs, run_rows, tiles
 
 TC = configs.TileConfig
 # (label, S, D, causal, window, Hkv divisor)
@@ -45,28 +41,20 @@ VARIANTS = {
           "ws n32 s3 pp": TC(block_n=32, num_stages=3, pingpong=True, **WS)},
 }
 # FF_WS_ROWS: a comma-separated subset of the labels (default all)
-_ONLY = [r for r in os.environ.get("FF_WS_ROWS", "").split(",") if r]
-ROWS = [r for r in ROWS if not _ONLY or r[0] in _ONLY]
+_LABELS = only("FF_WS_ROWS", [r[0] for r in ROWS])
+ROWS = [r for r in ROWS if r[0] in _LABELS]
 
 
 def run_row(label, S, D, causal, window, gdiv):
-    B, H = 16384 // S, 2048 // D
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(B, S, H // gdiv, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    B, H, q, k, v, _ = row_inputs(S, D, gdiv)
     flops = 4.0 * B * H * D * visible_pairs(S, S, causal, 0, window)
     kw = dict(causal=causal, window=None if window is None else (window, -1), backend="triton")
     out = {"row": label, "variants": {}}
     ref = None
     for name, cfg in [("table", None)] + list(VARIANTS[D].items()):
-        kind = "fwd_causal" if causal else "fwd"
-        if cfg is not None:
-            configs.set_config(kind, D, 2, cfg)
-        try:
+        with tiles("fwd_causal" if causal else "fwd", D, cfg):
             o = flashforge.attention(q, k, v, **kw)
             ms = triton.testing.do_bench(lambda: flashforge.attention(q, k, v, **kw), return_mode="median")
-        finally:
-            configs.set_config(kind, D, 2, None)
         ref = o if ref is None else ref
         out["variants"][name] = {"fwd": flops / ms / 1e9, "rel_diff": rel_diff([o], [ref])}
     return out
@@ -79,12 +67,7 @@ def main():
         base = r["variants"]["table"]["fwd"]
         cells = [f"{n} {v['fwd']:.0f} ({v['fwd'] / base:4.2f})" for n, v in r["variants"].items()]
         print(f"{r['row']:30}" + " | ".join(cells))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
-    bad = [(r["row"], n) for r in rows for n, v in r["variants"].items() if not v["rel_diff"] <= 2e-2]
-    if bad:
-        raise SystemExit(f"outputs disagree with the table's forward on: {bad}")
+    finish(rows, args, "outputs and the table's forward's")
 
 
 if __name__ == "__main__":
