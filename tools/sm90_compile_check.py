@@ -331,7 +331,7 @@ def record(quick: bool):
 
 
 def record_ws(run, real_get):
-    """The warp-specialized Gluon forward's variants (tests/test_gluon_sm90.py's WS_VARIANTS)."""
+    """The warp-specialized Gluon forward's variants (`WS_VARIANTS`)."""
     cu = torch.tensor([0, 150, 256], dtype=torch.int32)
     for i, over in enumerate(WS_VARIANTS.values()):
         launchers.get_config = lambda kind, d, e, interpret, over=over, **kw: (
@@ -349,15 +349,16 @@ def record_ws(run, real_get):
     launchers.get_config = lambda kind, d, e, interpret, **kw: real_get(kind, d, e, False, **kw)
 
 
-# the warp-specialized forward's tile variants the compile check and the GPU tests run
+# the warp-specialized forward's tile variants beside the table's: those tests/test_gluon_sm90.py
+# runs on the GPU (FWD_VARIANTS, D256_VARIANTS) and the ping-pong twins of the table's entries
+_WS = dict(block_m=128, num_warps=4, gluon=True, consumers=2)
 WS_VARIANTS = {
-    "ws-n128-s2": dict(block_m=128, block_n=128, num_warps=4, num_stages=2, gluon=True, consumers=2),
-    "ws-n128-s2-pingpong": dict(block_m=128, block_n=128, num_warps=4, num_stages=2, gluon=True, consumers=2,
-                                pingpong=True),
-    "ws-n64-s3-pingpong": dict(block_m=128, block_n=64, num_warps=4, num_stages=3, gluon=True, consumers=2,
-                               pingpong=True),
-    "ws-n64-s2-pingpong": dict(block_m=128, block_n=64, num_warps=4, num_stages=2, gluon=True, consumers=2,
-                               pingpong=True),
+    "ws-n128-s2": dict(block_n=128, num_stages=2, **_WS),
+    "ws-n128-s2-pingpong": dict(block_n=128, num_stages=2, pingpong=True, **_WS),
+    "ws-n128-s3-v2-pingpong": dict(block_n=128, num_stages=3, v_stages=2, pingpong=True, **_WS),
+    "ws-n64-s3-pingpong": dict(block_n=64, num_stages=3, pingpong=True, **_WS),
+    "ws-n64-s2-pingpong": dict(block_n=64, num_stages=2, pingpong=True, **_WS),
+    "ws-n32-s3": dict(block_n=32, num_stages=3, **_WS),
 }
 
 
