@@ -175,8 +175,7 @@ D256_CASES = [
 def test_d256_against_reference(c, dtype, gluon_calls_256):
     check_case(c, "triton", device="cuda", dtype=dtype)
     # the tiles asked for Gluon (a variant), or the table has a Gluon entry for D = 256
-    wanted = (configs.get_config("fwd", 256, 2, False, causal=c.causal, arch=(9, 0)).gluon
-              or configs.gluon_config(256, 2, c.causal, (9, 0)) is not None)
+    wanted = _gluon_tiles("fwd", 256, c.causal) is not None
     assert bool(gluon_calls_256) == wanted, f"Gluon forward calls {gluon_calls_256}, wanted: {wanted}"
 
 
@@ -286,11 +285,16 @@ BWD_VARIANTS = {
 }
 
 
+def _gluon_tiles(kind: str, D: int, causal: bool = False):
+    """The Gluon tiles the launcher takes for pass `kind` (16-bit, sm_90): an override with
+    gluon=True asks for Gluon itself, else the table's Gluon entry (None: none)."""
+    cfg = configs.get_config(kind, D, 2, False, causal=causal, arch=(9, 0))
+    return cfg if cfg.gluon else configs.gluon_config(D, 2, causal, (9, 0), kind)
+
+
 def _fused(D: int) -> bool:
-    """Whether a default (non-deterministic) backward of head dim D fuses dQ into the dK/dV kernel
-    (the launcher's choice: an override with gluon=True, else the table's Gluon entry)."""
-    cfg = configs.get_config("bwd_kv", D, 2, False, arch=(9, 0))
-    cfg = cfg if cfg.gluon else configs.gluon_config(D, 2, False, (9, 0), "bwd_kv")
+    """Whether a default (non-deterministic) backward of head dim D fuses dQ into the dK/dV kernel."""
+    cfg = _gluon_tiles("bwd_kv", D)
     return cfg is not None and gluon_attention.fuses_dq(cfg, D, AttnParams(scale=1.0))
 
 
@@ -469,11 +473,9 @@ def test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies):
                                          return_lse=True, backend="triton", **kw)
     do = torch.randn(o.shape, device="cuda", generator=gen).to(dtype)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
-    fwd_cfg = configs.get_config("fwd", D, 2, False, causal="causal" in kw, arch=(9, 0))
-    assert gluon_spies["fwd"] == (fwd_cfg.gluon or configs.gluon_config(D, 2, "causal" in kw, (9, 0)) is not None)
-    for kind in ("bwd_q", "bwd_kv"):  # (an override with gluon=True asks for Gluon itself)
-        g = configs.get_config(kind, D, 2, False, arch=(9, 0))
-        g = g if g.gluon else configs.gluon_config(D, 2, False, (9, 0), kind)
+    assert gluon_spies["fwd"] == (_gluon_tiles("fwd", D, "causal" in kw) is not None)
+    for kind in ("bwd_q", "bwd_kv"):
+        g = _gluon_tiles(kind, D)
         serves = g is not None and gluon_attention.bwd_tiles_fit(kind, g, D)
         assert gluon_spies[kind] == (serves and not (kind == "bwd_q" and _fused(D)))
 
