@@ -357,18 +357,20 @@ def dq_descriptor(dq_acc, params: AttnParams):
     return _unchecked_descriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 64, 1, DQ_COLS], layout)
 
 
-def input_rows(cfg) -> tuple[int, int]:
-    """Rows of (q and dO, k and v) in a backward kernel's boxes with tiles `cfg`: its tiles', but
-    one consumer's 64 rows of the warp-specialized dQ kernel's 128."""
-    return (64 if cfg.consumers == 2 else cfg.block_m), cfg.block_n
+def input_rows(cfg, kind: str) -> tuple[int, int]:
+    """Rows of (q and dO, k and v) in the boxes of backward pass `kind` ("bwd_q", "bwd_kv") with
+    tiles `cfg`: its tiles', but one consumer's 64 of the warp-specialized dQ kernel's 128."""
+    if cfg.consumers == 2 and kind == "bwd_q":
+        return 64, cfg.block_n
+    return cfg.block_m, cfg.block_n
 
 
-def input_descriptors(q, k, v, do, params: AttnParams, cfg):
-    """The descriptors of (q, k, v, dO) with `cfg`'s boxes (`input_rows`): both backward kernels
-    read them, so where their boxes agree one set serves both (four fewer to build and a step's
-    host time shorter)."""
+def input_descriptors(q, k, v, do, params: AttnParams, cfg, kind: str):
+    """The descriptors of (q, k, v, dO) with the boxes of pass `kind` (`input_rows`): both backward
+    kernels read them, so where their boxes agree one set serves both (four fewer to build and a
+    step's host time shorter)."""
     desc = _ragged_descriptor if params.is_varlen else _descriptor
-    rows_q, rows_k = input_rows(cfg)
+    rows_q, rows_k = input_rows(cfg, kind)
     return desc(q, rows_q), desc(k, rows_k), desc(v, rows_k), desc(do, rows_q)
 
 
@@ -402,7 +404,7 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     if not ready:
         far = lse if lse_lo is None else torch.empty(B * Hkv, device=lse.device, dtype=torch.int32)
     dk_desc = desc(dk, cfg.block_n)
-    args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), dk_desc, desc(dv, cfg.block_n), lse,
+    args = (*(inputs or input_descriptors(q, k, v, do, params, cfg, "bwd_kv")), dk_desc, desc(dv, cfg.block_n), lse,
             lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
             Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod,
             dk_desc if dq_acc is None else dq_descriptor(dq_acc, params))  # (dk's: a placeholder, never read)
@@ -432,7 +434,8 @@ def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=Non
     mod, mod_flags = _modifiers(params, lse)
     o_strides = ((0 if params.is_varlen else o.stride(0)), o.stride(1), o.stride(2)) if here else (0, 0, 0)
     ws = cfg.consumers == 2
-    args = (*(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dq, input_rows(cfg)[0]), lse,
+    rows = input_rows(cfg, "bwd_q")[0]  # dQ's box: q's
+    args = (*(inputs or input_descriptors(q, k, v, do, params, cfg, "bwd_q")), desc(dq, rows), lse,
             lse if lse_lo is None else lse_lo, delta, lse if far is None else far, s_lb, s_lh, cu_q, cu_k, order, Hq,
             Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), params.scale,
             o if here else lse, dlse if dlse is not None else lse, *o_strides, *mod[1:])
@@ -445,13 +448,4 @@ def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=Non
                LOADER_REGS=_WS_REGS[1], num_warps=4)
     else:
         launch(dq_kernel, grid, *args, **common, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps)
-    return dq
-    launch(dq_kernel, grid, *(inputs or input_descriptors(q, k, v, do, params, cfg)), desc(dq, cfg.block_m), lse,
-           lse if lse_lo is None else lse_lo, delta, lse if far is None else far,
-           s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset, br, w["span"],
-           _qk_scale(params.scale), params.scale, o if here else lse, dlse if dlse is not None else lse, *o_strides,
-           *mod[1:], CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=D,
-           STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages), VARLEN=params.is_varlen,
-           DELTA_HERE=here, HAS_DLSE=here and dlse is not None, HAS_LO=lse_lo is not None, FAR_OUT=far is not None,
-           num_warps=cfg.num_warps)
     return dq

@@ -311,8 +311,8 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
     gluon_fused = g_kv is not None and gluon_attention.fuses_dq(g_kv, max(D, Dv), params)
     if g_kv is not None and g_q is not None and o.stride(-1) == 1 and not gluon_fused:  # the common dense case
         shared = None
-        if gluon_attention.input_rows(g_kv) == gluon_attention.input_rows(g_q):
-            shared = gluon_attention.input_descriptors(q, k, v, do, params, g_kv)
+        if gluon_attention.input_rows(g_kv, "bwd_kv") == gluon_attention.input_rows(g_q, "bwd_q"):
+            shared = gluon_attention.input_descriptors(q, k, v, do, params, g_kv, "bwd_kv")
         # dQ first: it also computes delta = rowsum(o * dO) - dlse, which the dK/dV kernel reads
         # (and, with lse_lo, which GQA groups have a row far from 0: the dK/dV kernel's scan, done once)
         far = gluon_attention.far_flags(q, k, params, lse_lo)
