@@ -30,7 +30,9 @@ ROWS = [
 # the fused dK/dV tiles tried per head dim (name -> config); "ordered" is the table's pair of
 # kernels with deterministic=True
 VARIANTS = {
-    64: {"64x64 4w overlap s3": TC(64, 64, 4, 3, gluon=True, fused_dq=True),
+    64: {"ws 2x64 keys s2": TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True),
+         "ws 2x64 keys s3": TC(64, 128, 4, 3, gluon=True, consumers=2, fused_dq=True),
+         "64x64 4w overlap s3": TC(64, 64, 4, 3, gluon=True, fused_dq=True),
          "64x128 8w overlap s2": TC(64, 128, 8, 2, gluon=True, fused_dq=True),
          "64x64 4w one-at-a-time s3": TC(64, 64, 4, 3, gluon=True, overlap=False, fused_dq=True),
          "64x128 8w one-at-a-time s3": TC(64, 128, 8, 3, gluon=True, overlap=False, fused_dq=True)},

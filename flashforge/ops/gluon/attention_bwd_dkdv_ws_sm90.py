@@ -1,0 +1,284 @@
+"""Hopper (sm_90) dK/dV kernel in Gluon, warp-specialized, with dQ fused: a program owns 128 keys.
+
+Why (issue 18): the ordered pair of backward kernels runs 7 products a (query tile, key tile)
+pair, the dQ kernel recomputing S and dP; FA3 runs 5 by adding dQ_t = dS K into a float32
+accumulator.  `attention_bwd_sm90`'s FUSED_DQ does that in one warpgroup, but with the reduce
+waits in its instruction stream and 245-255 registers (D = 128 spills); it measured level with the
+pair (RESULTS.md v0.8.9).  Here:
+
+- two consumer warpgroups (partitions) of 64 keys each share every Q and dO tile, which a loader
+  warp copies into a ring (ready / empty barriers; both consumers release a slot), so each SM
+  copies each query tile once for 128 keys;
+- each consumer computes, per query tile, S^T and dP^T, then P^T and dS^T (dS^T to shared memory),
+  dV += P^T dO, dK += dS^T Q, and dQ_t = dS K_c in 32-column parts into its dQ buffer;
+- a writer warp hands each consumer's buffer to the copy engine's reduce-add (into the zeroed
+  float32 accumulator) and waits for it to be read, so no consumer waits on a reduce.
+
+Both consumers walk the union of their query tiles (a 128-key block's range); a tile one
+consumer's keys do not see is masked whole there (P = dS = 0).  lse's low part: the two-launch
+scheme of `attn_bwd_dkdv_sm90_kernel` (LO_PASS).  Scope: D <= 128, 64-row query tiles, not
+deterministic (the adds come in varying order), no split of dK and dV.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .attention_bwd_sm90 import _lo_needed, _tile_grads
+from .attention_fwd_ws_sm90 import HALF
+from .pipeline import copy_in, copy_out, reduce_out, sequence, slot, wait
+from .rounding import fused_score
+
+
+@gluon.jit
+def _tile_rows(t, n_mt, mt_lo, hk, group, BLOCK_M: gl.constexpr):
+    # (first query row, head) of flattened tile t: (head of the group, query tile)
+    g = t // n_mt
+    return (mt_lo + t - g * n_mt) * BLOCK_M, hk * group + g
+
+
+@gluon.jit
+def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
+                 dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
+                 n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
+                 ME: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                 HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                 VARLEN: gl.constexpr, USE_LO: gl.constexpr, DQ_N: gl.constexpr):
+    """dK, dV of keys n0 + ME * 64 + [0, 64), and their share of every tile's dQ."""
+    dtype: gl.constexpr = k_smem.dtype
+    FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    nc = n0 + ME * HALF
+    # this half's masks over the block's query tiles: the causal diagonal crosses tiles before
+    # mt_full (tiles wholly before these keys are masked whole), a window's left edge those from n_lfull
+    if CAUSAL:
+        mt_full = gl.maximum(gl.cdiv(gl.maximum(nc + HALF - 1 - offset, 0), BLOCK_M), mt_lo)
+        n_masked_c = gl.minimum(mt_full - mt_lo, n_mt)
+    else:
+        n_masked_c = n_masked
+    if HAS_WL:
+        n_lfull_c = gl.maximum(nc - offset + span + 1, 0) // BLOCK_M - mt_lo
+    else:
+        n_lfull_c = n_lfull
+    n_mt_div = gl.maximum(n_mt, 1)
+    o_n = nc + gl.arange(0, HALF, layout=row_s)
+    s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    k_t = k_smem.reshape([HALF, D])
+    v_t = v_smem.reshape([HALF, D])
+    for t in range(T):
+        wait(ready, t, STAGES)
+        q_s = slot(q_ring, t, BLOCK_M, D, STAGES)
+        do_s = slot(do_ring, t, BLOCK_M, D, STAGES)
+        st = warpgroup_mma(k_t, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_t, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+        pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked_c, n_lfull_c, mt_lo, hk, group, row_b, stride_lh, Sq,
+                              o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA,
+                              col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, USE_LO, FUSE=FUSE)
+        ds_smem.store(dst.to(dtype))
+        fence_async_shared()
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
+        dk = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
+        # dQ_t = dS K over these 64 keys, in DQ_N-column parts into this consumer's buffer, once the
+        # writer has handed the previous tile's parts to the copy engine
+        mbarrier.wait(dq_empty, (t & 1) ^ 1)
+        for c in gl.static_range(D // DQ_N):
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_t.slice(c * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))  # (retires dV and dK as well: they are older)
+            dq_smem.index(c).reshape([BLOCK_M, DQ_N]).store(dq * scale)
+        fence_async_shared()
+        mbarrier.arrive(dq_full, count=1)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(t % STAGES), count=1)  # this tile's Q and dO are read
+    # dK, dV through K's and V's buffers (read no more) and TMA, which clips rows past Sk
+    k_smem.reshape([HALF, D]).store((dk * scale).to(dtype))
+    v_smem.reshape([HALF, D]).store(dv.to(dtype))
+    fence_async_shared()
+    copy_out(dk_desc, b, nc, hk, k_start, Sk, k_smem, VARLEN)
+    copy_out(dv_desc, b, nc, hk, k_start, Sk, v_smem, VARLEN)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _kv_consumer1(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
+                  dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
+                  n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
+                  CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                  BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr,
+                  USE_LO: gl.constexpr, DQ_N: gl.constexpr):
+    # the second half's keys, in a worker partition
+    _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
+                 dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
+                 n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, 1, CAUSAL,
+                 HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N)
+
+
+@gluon.jit
+def _kv_loader(q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring, do_ring, ready,
+               empty, b, hk, group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M: gl.constexpr,
+               STAGES: gl.constexpr, VARLEN: gl.constexpr):
+    """Each half's K and V, then the block's query tiles (Q and dO together), each into the ring's
+    next slot once both consumers have released it (empty barriers start complete)."""
+    mbarrier.expect(kv_bars.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    copy_in(k_desc, b, n0, hk, k_start, Sk, kv_bars.index(0), k_smem0, True, VARLEN)
+    copy_in(v_desc, b, n0, hk, k_start, Sk, kv_bars.index(0), v_smem0, True, VARLEN)
+    mbarrier.expect(kv_bars.index(1), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    copy_in(k_desc, b, n0 + HALF, hk, k_start, Sk, kv_bars.index(1), k_smem1, True, VARLEN)
+    copy_in(v_desc, b, n0 + HALF, hk, k_start, Sk, kv_bars.index(1), v_smem1, True, VARLEN)
+    n_mt_div = gl.maximum(n_mt, 1)
+    for t in range(T):
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        copy_in(q_desc, b, m, h, q_start, Sq, ready.index(s), q_ring.index(s), True, VARLEN)
+        copy_in(do_desc, b, m, h, q_start, Sq, ready.index(s), do_ring.index(s), True, VARLEN)
+
+
+@gluon.jit
+def _dq_writer(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt, mt_lo,
+               BLOCK_M: gl.constexpr, D: gl.constexpr, DQ_N: gl.constexpr, VARLEN: gl.constexpr):
+    """Each tile's two dQ buffers (one a consumer) into the float32 accumulator by the copy
+    engine's reduce-add; a buffer goes back to its consumer once the reduces have read it."""
+    n_mt_div = gl.maximum(n_mt, 1)
+    for t in range(T):
+        m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
+        _reduce_buffer(dq_desc, dq_smem0, dq_full.index(0), dq_empty.index(0), t, b, m, h, q_start, Sq, D, DQ_N,
+                       VARLEN)
+        _reduce_buffer(dq_desc, dq_smem1, dq_full.index(1), dq_empty.index(1), t, b, m, h, q_start, Sq, D, DQ_N,
+                       VARLEN)
+
+
+@gluon.jit
+def _reduce_buffer(dq_desc, buf, full, empty, t, b, m, h, q_start, Sq, D: gl.constexpr, DQ_N: gl.constexpr,
+                   VARLEN: gl.constexpr):
+    # one consumer's tile-t dQ parts, once written, added by the copy engine; the buffer is free
+    # again once the reduces have read it
+    mbarrier.wait(full, t & 1)
+    for p in gl.static_range(D // DQ_N):
+        reduce_out(dq_desc, b, m, h, p * DQ_N, q_start, Sq, buf.index(p), VARLEN)
+    tma.store_wait(0)
+    mbarrier.arrive(empty, count=1)
+
+
+@gluon.jit
+def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
+                                 stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset,
+                                 bottom_right, span, qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right,
+                                 dq_desc, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                                 HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                                 STAGES: gl.constexpr, VARLEN: gl.constexpr, HAS_LO: gl.constexpr,
+                                 LO_PASS: gl.constexpr, FAR_READY: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                 LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV of one 128-key block and its adds to dQ (the arguments mean attn_bwd_dkdv_sm90_kernel's
+    with FUSED_DQ and PART 0; k, v, dK, dV boxes are one consumer's 64 rows).  With lse_lo, two
+    launches: the first (LO_PASS=False) leaves the blocks of GQA groups with a row far from 0 to
+    the second (LO_PASS=True), which subtracts lse_lo; there the other programs do nothing."""
+    dtype: gl.constexpr = q_desc.dtype
+    DQ_N: gl.constexpr = dq_desc.block_type.shape[len(dq_desc.block_type.shape) - 1]
+    BLOCK_N: gl.constexpr = 2 * HALF
+    pid = gl.program_id(0)
+    bh = gl.program_id(1)
+    Hkv = Hq // group
+    b = bh // Hkv
+    hk = bh % Hkv
+    n0 = pid * BLOCK_N
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
+                                                   bottom_right, VARLEN)
+    row_b = b.to(gl.int64) * stride_lb + q_start
+    SL = SLOPES + b * stride_sb
+    alibi_off = offset - right
+
+    # the block's query tiles [mt_lo, mt_end), as attn_bwd_dkdv_sm90_kernel's over 128 keys
+    if CAUSAL:
+        mt_lo = gl.maximum(n0 - offset, 0) // BLOCK_M
+        mt_full = gl.maximum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M), mt_lo)
+    else:
+        mt_lo = 0
+        mt_full = 0
+    if HAS_WL:
+        mt_end = gl.minimum(gl.cdiv(Sq, BLOCK_M), gl.cdiv(gl.maximum(n0 + BLOCK_N - offset + span, 0), BLOCK_M))
+        n_lfull = gl.maximum(n0 - offset + span + 1, 0) // BLOCK_M - mt_lo
+    else:
+        mt_end = gl.cdiv(Sq, BLOCK_M)
+        n_lfull = 0
+    n_mt = gl.maximum(mt_end - mt_lo, 0)
+    if n0 >= Sk:
+        n_mt = 0
+    T = n_mt * group
+    n_masked = gl.minimum(mt_full - mt_lo, n_mt)
+    # lse_lo's two launches: which programs this one runs, and whether they subtract it
+    if LO_PASS:
+        active = gl.load(FAR + bh) != 0
+        USE_LO: gl.constexpr = True
+    else:
+        active = True
+        USE_LO: gl.constexpr = False
+        if HAS_LO:
+            if FAR_READY:
+                far = gl.load(FAR + bh) != 0
+            else:
+                far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
+                if pid == 0:
+                    gl.store(FAR + bh, far.to(gl.int32))
+            if far:  # the second launch computes this block; here its dK, dV are zeros
+                T = 0
+    if not active:
+        T = 0
+
+    k_smem0 = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem0 = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    k_smem1 = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem1 = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ds_smem0 = gl.allocate_shared_memory(dtype, [HALF, BLOCK_M], ds_layout)
+    ds_smem1 = gl.allocate_shared_memory(dtype, [HALF, BLOCK_M], ds_layout)
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [D // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [D // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_bars.index(i), count=1)
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()
+
+    if active:
+        gl.warp_specialize([
+            (_kv_consumer, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem0, v_smem0, kv_bars.index(0), q_ring, do_ring,
+                            ready, empty, ds_smem0, dq_smem0, dq_full.index(0), dq_empty.index(0), b, hk, group, n0,
+                            k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b,
+                            stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, 0, CAUSAL, HAS_WL,
+                            HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N)),
+            (_kv_consumer1, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem1, v_smem1, kv_bars.index(1), q_ring, do_ring,
+                             ready, empty, ds_smem1, dq_smem1, dq_full.index(1), dq_empty.index(1), b, hk, group, n0,
+                             k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b,
+                             stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, CAUSAL, HAS_WL,
+                             HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N)),
+            (_kv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring,
+                          do_ring, ready, empty, b, hk, group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M,
+                          STAGES, VARLEN)),
+            (_dq_writer, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt, mt_lo,
+                          BLOCK_M, D, DQ_N, VARLEN)),
+        ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
