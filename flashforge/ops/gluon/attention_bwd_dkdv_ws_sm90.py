@@ -9,7 +9,8 @@ pair (RESULTS.md v0.8.9).  Here:
 - two consumer warpgroups (partitions) of 64 keys each share every Q and dO tile, which a loader
   warp copies into a ring (ready / empty barriers; both consumers release a slot), so each SM
   copies each query tile once for 128 keys;
-- each consumer computes, per query tile, S^T and dP^T, then P^T and dS^T (dS^T to shared memory),
+- each consumer computes, per query tile, S = Q K_c^T and dP = dO V_c^T (queries by keys, so
+  lse and delta cost two registers a thread, not sixteen), then P and dS into shared memory,
   dV += P^T dO, dK += dS^T Q, and dQ_t = dS K_c in 32-column parts into its dQ buffer;
 - a writer warp hands each consumer's buffer to the copy engine's reduce-add (into the zeroed
   float32 accumulator) and waits for it to be read, so no consumer waits on a reduce.
@@ -24,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_sm90 import _lo_needed, _tile_grads
+from .attention_bwd_sm90 import _lo_needed, _row_stats, p_and_ds
 from .attention_fwd_ws_sm90 import HALF
 from .pipeline import copy_in, copy_out, reduce_out, sequence, slot, wait
 from .rounding import fused_score
@@ -43,17 +44,20 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
                  n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
                  ME: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                  HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                 VARLEN: gl.constexpr, USE_LO: gl.constexpr, DQ_N: gl.constexpr):
-    """dK, dV of keys n0 + ME * 64 + [0, 64), and their share of every tile's dQ."""
+                 VARLEN: gl.constexpr, USE_LO: gl.constexpr, DQ_N: gl.constexpr, p_smem):
+    """dK, dV of keys n0 + ME * 64 + [0, 64), and their share of every tile's dQ.
+
+    The scores are formed queries by keys (S = Q K^T, as the dQ kernel does), so lse, its low part
+    and delta are row vectors of two registers a thread (keys by queries, each was sixteen);
+    P and dS go through shared memory, where their transposes are the A operands of
+    dV += P^T dO and dK += dS^T Q, and dS itself that of dQ_t = dS K."""
     dtype: gl.constexpr = k_smem.dtype
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
+                                                       instr_shape=[16, HALF, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_N, 16])
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     nc = n0 + ME * HALF
@@ -69,8 +73,7 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
     else:
         n_lfull_c = n_lfull
     n_mt_div = gl.maximum(n_mt, 1)
-    o_n = nc + gl.arange(0, HALF, layout=row_s)
-    s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
+    s_zero = gl.zeros([BLOCK_M, HALF], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
@@ -81,22 +84,37 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
         wait(ready, t, STAGES)
         q_s = slot(q_ring, t, BLOCK_M, D, STAGES)
         do_s = slot(do_ring, t, BLOCK_M, D, STAGES)
-        st = warpgroup_mma(k_t, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_t, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-        pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked_c, n_lfull_c, mt_lo, hk, group, row_b, stride_lh, Sq,
-                              o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA,
-                              col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, USE_LO, FUSE=FUSE)
-        ds_smem.store(dst.to(dtype))
+        s = warpgroup_mma(q_s, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_s, v_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
+        o_m = m + gl.arange(0, BLOCK_M, layout=row_s)
+        lse2, lo, delta = _row_stats(LSE, LSE_LO, DELTA, row_b + h.to(gl.int64) * stride_lh, o_m, Sq, USE_LO)
+        if HAS_ALIBI:
+            slope = gl.load(SL + h * stride_sh)
+        else:
+            slope = 0.0
+        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+        i = t - (t // n_mt_div) * n_mt_div  # the tile's place among its head's
+        if HAS_WL:
+            edge = (i < n_masked_c) | (i >= n_lfull_c)
+        else:
+            edge = i < n_masked_c
+        if edge:
+            p, ds = p_and_ds(s, dp, nc, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
+                             alibi_off, s_layout, True, CAUSAL, HAS_WL, HALF, USE_LO, FUSE, HAS_SOFTCAP, HAS_ALIBI)
+        else:
+            p, ds = p_and_ds(s, dp, nc, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
+                             alibi_off, s_layout, False, CAUSAL, HAS_WL, HALF, USE_LO, FUSE, HAS_SOFTCAP, HAS_ALIBI)
+        p_smem.store(p.to(dtype))
+        ds_smem.store(ds.to(dtype))
         fence_async_shared()
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
-        dk = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
+        dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
         # dQ_t = dS K over these 64 keys, in DQ_N-column parts into this consumer's buffer, once the
         # writer has handed the previous tile's parts to the copy engine
         mbarrier.wait(dq_empty, (t & 1) ^ 1)
         for c in gl.static_range(D // DQ_N):
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_t.slice(c * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False,
-                               is_async=True)
+            dq = warpgroup_mma(ds_smem, k_t.slice(c * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq, ))  # (retires dV and dK as well: they are older)
             dq_smem.index(c).reshape([BLOCK_M, DQ_N]).store(dq * scale)
         fence_async_shared()
@@ -118,12 +136,12 @@ def _kv_consumer1(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, 
                   n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
                   CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                   BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr,
-                  USE_LO: gl.constexpr, DQ_N: gl.constexpr):
+                  USE_LO: gl.constexpr, DQ_N: gl.constexpr, p_smem):
     # the second half's keys, in a worker partition
     _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
                  dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
                  n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, 1, CAUSAL,
-                 HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N)
+                 HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem)
 
 
 @gluon.jit
@@ -246,8 +264,11 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ds_smem0 = gl.allocate_shared_memory(dtype, [HALF, BLOCK_M], ds_layout)
-    ds_smem1 = gl.allocate_shared_memory(dtype, [HALF, BLOCK_M], ds_layout)
+    # P and dS of a tile, [queries, keys], one pair a consumer
+    p_smem0 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], ds_layout)
+    p_smem1 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], ds_layout)
+    ds_smem0 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], ds_layout)
+    ds_smem1 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], ds_layout)
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [D // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [D // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
     kv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -270,12 +291,12 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
                             ready, empty, ds_smem0, dq_smem0, dq_full.index(0), dq_empty.index(0), b, hk, group, n0,
                             k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b,
                             stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, 0, CAUSAL, HAS_WL,
-                            HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N)),
+                            HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem0)),
             (_kv_consumer1, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem1, v_smem1, kv_bars.index(1), q_ring, do_ring,
                              ready, empty, ds_smem1, dq_smem1, dq_full.index(1), dq_empty.index(1), b, hk, group, n0,
                              k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b,
                              stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, CAUSAL, HAS_WL,
-                             HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N)),
+                             HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem1)),
             (_kv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring,
                           do_ring, ready, empty, b, hk, group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M,
                           STAGES, VARLEN)),
