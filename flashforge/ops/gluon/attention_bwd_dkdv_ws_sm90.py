@@ -73,6 +73,7 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
     else:
         n_lfull_c = n_lfull
     n_mt_div = gl.maximum(n_mt, 1)
+    tail = nc + HALF > Sk  # this half's keys cross the sequence's end
     s_zero = gl.zeros([BLOCK_M, HALF], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
@@ -99,6 +100,9 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
             edge = (i < n_masked_c) | (i >= n_lfull_c)
         else:
             edge = i < n_masked_c
+        # keys past Sk (zero-filled) are masked too: their P, exp2(-lse), could overflow where lse
+        # is far below 0, and inf * 0 in dS K would put NaN into dQ
+        edge = edge | tail
         if edge:
             p, ds = p_and_ds(s, dp, nc, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
                              alibi_off, s_layout, True, CAUSAL, HAS_WL, HALF, USE_LO, FUSE, HAS_SOFTCAP, HAS_ALIBI)
