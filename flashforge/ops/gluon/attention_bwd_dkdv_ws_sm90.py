@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .attention_bwd_sm90 import _lo_needed, _row_stats, p_and_ds
-from .attention_fwd_ws_sm90 import HALF
+from .ws_pipeline import HALF
 from .pipeline import copy_in, copy_out, reduce_out, sequence, slot, wait
 from .rounding import fused_score
 
