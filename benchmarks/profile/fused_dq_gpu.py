@@ -26,7 +26,9 @@ ROWS = [
     ("D64 S4k causal", 4096, 64, True, None, 1),
     ("D64 S16k causal", 16384, 64, True, None, 1),
     ("D64 S4k causal GQA 4", 4096, 64, True, None, 4),
+    ("D128 S1k causal", 1024, 128, True, None, 1),
     ("D128 S4k causal", 4096, 128, True, None, 1),
+    ("D128 S16k causal", 16384, 128, True, None, 1),
     ("D128 S16k", 16384, 128, False, None, 1),
 ]
 # the fused dK/dV tiles tried per head dim (name -> config); "ordered" is the table's pair of

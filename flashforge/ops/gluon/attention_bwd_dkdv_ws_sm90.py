@@ -23,7 +23,7 @@ deterministic (the adds come in varying order), no split of dK and dV.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
 from .attention_bwd_sm90 import _lo_needed, _row_stats, p_and_ds
 from .ws_pipeline import HALF
@@ -59,6 +59,8 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_N, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    NP: gl.constexpr = D // DQ_N
+    gl.static_assert((NP == 2) or (NP == 4), "D = 64 or 128: two or four float32 boxes of dQ")
 
     nc = n0 + ME * HALF
     # this half's masks over the block's query tiles: the causal diagonal crosses tiles before
@@ -76,8 +78,9 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
     tail = nc + HALF > Sk  # this half's keys cross the sequence's end
     s_zero = gl.zeros([BLOCK_M, HALF], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-    dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
-    dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
+    # (as in-flight accumulators: each tile's dK and dV products retire at the next tile's wait)
+    dk = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, layout=acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, layout=acc_layout))
     mbarrier.wait(kv_bar, 0)
     k_t = k_smem.reshape([HALF, D])
     v_t = v_smem.reshape([HALF, D])
@@ -94,7 +97,10 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
             slope = gl.load(SL + h * stride_sh)
         else:
             slope = 0.0
-        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+        # (retires the previous tile's dV and dK as well, so its Q and dO slot goes back)
+        s, dp, dv, dk = warpgroup_mma_wait(0, deps=(s, dp, dv, dk))
+        if t > 0:
+            mbarrier.arrive(empty.index((t - 1) % STAGES), count=1)
         i = t - (t // n_mt_div) * n_mt_div  # the tile's place among its head's
         if HAS_WL:
             edge = (i < n_masked_c) | (i >= n_lfull_c)
@@ -112,19 +118,31 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
         p_smem.store(p.to(dtype))
         ds_smem.store(ds.to(dtype))
         fence_async_shared()
+        # dQ_t = dS K over these 64 keys in DQ_N-column parts (a float32 box is 32 columns wide),
+        # all issued before dV and dK, so the parts retire first and are stored while those run
+        q0 = warpgroup_mma(ds_smem, k_t.slice(0, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
+        q1 = warpgroup_mma(ds_smem, k_t.slice(DQ_N, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
+        if NP == 4:
+            q2 = warpgroup_mma(ds_smem, k_t.slice(2 * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
+            q3 = warpgroup_mma(ds_smem, k_t.slice(3 * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
         dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
-        # dQ_t = dS K over these 64 keys, in DQ_N-column parts into this consumer's buffer, once the
-        # writer has handed the previous tile's parts to the copy engine
+        if NP == 4:
+            q0, q1, q2, q3 = warpgroup_mma_wait(2, deps=(q0, q1, q2, q3))
+        else:
+            q0, q1 = warpgroup_mma_wait(2, deps=(q0, q1))
+        # into this consumer's buffer once the writer has handed the previous tile's to the copy engine
         mbarrier.wait(dq_empty, (t & 1) ^ 1)
-        for c in gl.static_range(D // DQ_N):
-            dq = warpgroup_mma(ds_smem, k_t.slice(c * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))  # (retires dV and dK as well: they are older)
-            dq_smem.index(c).reshape([BLOCK_M, DQ_N]).store(dq * scale)
+        dq_smem.index(0).reshape([BLOCK_M, DQ_N]).store(q0 * scale)
+        dq_smem.index(1).reshape([BLOCK_M, DQ_N]).store(q1 * scale)
+        if NP == 4:
+            dq_smem.index(2).reshape([BLOCK_M, DQ_N]).store(q2 * scale)
+            dq_smem.index(3).reshape([BLOCK_M, DQ_N]).store(q3 * scale)
         fence_async_shared()
         mbarrier.arrive(dq_full, count=1)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-        mbarrier.arrive(empty.index(t % STAGES), count=1)  # this tile's Q and dO are read
+    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    if T > 0:
+        mbarrier.arrive(empty.index((T - 1) % STAGES), count=1)  # the last tile's Q and dO are read
     # dK, dV through K's and V's buffers (read no more) and TMA, which clips rows past Sk
     k_smem.reshape([HALF, D]).store((dk * scale).to(dtype))
     v_smem.reshape([HALF, D]).store(dv.to(dtype))
