@@ -19,6 +19,12 @@ Both consumers walk the union of their query tiles (a 128-key block's range); a 
 consumer's keys do not see is masked whole there (P = dS = 0).  lse's low part: the two-launch
 scheme of `attn_bwd_dkdv_sm90_kernel` (LO_PASS).  Scope: D <= 128, 64-row query tiles, not
 deterministic (the adds come in varying order), no split of dK and dV.
+
+Where it stands (H200, bf16, RESULTS.md v0.9.1): opt-in (bwd_kv `TileConfig(64, 128, 4, 2,
+gluon=True, consumers=2, fused_dq=True)`), not in the table.  Against the table's ordered pair it
+measured 1.00-1.08x on the backward at S >= 4k (D = 64 S16k causal 360 vs 333 TFLOP/s) and
+0.43-0.88x at S = 1k, where the step is host-bound.  Ablations put the rest in shared-memory
+traffic: without the dQ product it ran 1.2-1.3x, without the reduce-adds 1.03-1.19x.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -56,8 +62,6 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_N, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     NP: gl.constexpr = D // DQ_N
     gl.static_assert((NP == 2) or (NP == 4), "D = 64 or 128: two or four float32 boxes of dQ")
@@ -77,7 +81,7 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
     n_mt_div = gl.maximum(n_mt, 1)
     tail = nc + HALF > Sk  # this half's keys cross the sequence's end
     s_zero = gl.zeros([BLOCK_M, HALF], gl.float32, layout=s_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    dq_zero = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
     # (as in-flight accumulators: each tile's dK and dV products retire at the next tile's wait)
     dk = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, layout=acc_layout))
     dv = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, layout=acc_layout))
@@ -118,26 +122,27 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
         p_smem.store(p.to(dtype))
         ds_smem.store(ds.to(dtype))
         fence_async_shared()
-        # dQ_t = dS K over these 64 keys in DQ_N-column parts (a float32 box is 32 columns wide),
-        # all issued before dV and dK, so the parts retire first and are stored while those run
-        q0 = warpgroup_mma(ds_smem, k_t.slice(0, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
-        q1 = warpgroup_mma(ds_smem, k_t.slice(DQ_N, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
-        if NP == 4:
-            q2 = warpgroup_mma(ds_smem, k_t.slice(2 * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
-            q3 = warpgroup_mma(ds_smem, k_t.slice(3 * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
+        # dQ_t = dS K over these 64 keys, one product D wide (narrower ones would each read dS
+        # again), issued before dV and dK, so it retires first and is stored while those run
+        dq = warpgroup_mma(ds_smem, k_t, dq_zero, use_acc=False, is_async=True)
         dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
-        if NP == 4:
-            q0, q1, q2, q3 = warpgroup_mma_wait(2, deps=(q0, q1, q2, q3))
-        else:
-            q0, q1 = warpgroup_mma_wait(2, deps=(q0, q1))
-        # into this consumer's buffer once the writer has handed the previous tile's to the copy engine
+        dq = warpgroup_mma_wait(2, deps=(dq, ))
+        # into this consumer's buffer, once the writer has handed the previous tile's to the copy
+        # engine, in boxes of DQ_N columns (a float32 TMA box is 32 wide): halves of the register
+        # tile, each thread's own registers (no data moves)
         mbarrier.wait(dq_empty, (t & 1) ^ 1)
-        dq_smem.index(0).reshape([BLOCK_M, DQ_N]).store(q0 * scale)
-        dq_smem.index(1).reshape([BLOCK_M, DQ_N]).store(q1 * scale)
-        if NP == 4:
-            dq_smem.index(2).reshape([BLOCK_M, DQ_N]).store(q2 * scale)
-            dq_smem.index(3).reshape([BLOCK_M, DQ_N]).store(q3 * scale)
+        lo_half, hi_half = (dq * scale).reshape([BLOCK_M, 2, D // 2]).permute(0, 2, 1).split()
+        if NP == 2:
+            dq_smem.index(0).reshape([BLOCK_M, DQ_N]).store(lo_half)
+            dq_smem.index(1).reshape([BLOCK_M, DQ_N]).store(hi_half)
+        else:
+            q0, q1 = lo_half.reshape([BLOCK_M, 2, DQ_N]).permute(0, 2, 1).split()
+            q2, q3 = hi_half.reshape([BLOCK_M, 2, DQ_N]).permute(0, 2, 1).split()
+            dq_smem.index(0).reshape([BLOCK_M, DQ_N]).store(q0)
+            dq_smem.index(1).reshape([BLOCK_M, DQ_N]).store(q1)
+            dq_smem.index(2).reshape([BLOCK_M, DQ_N]).store(q2)
+            dq_smem.index(3).reshape([BLOCK_M, DQ_N]).store(q3)
         fence_async_shared()
         mbarrier.arrive(dq_full, count=1)
     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
