@@ -169,6 +169,8 @@ def record_launches(log: list) -> None:
         gluon_launcher._ws_kernel = lambda: Recorder(ws, log)
         ws_dq = _KERNELS.setdefault("gluon_ws_dq", gluon_launcher._ws_dq_kernel())
         gluon_launcher._ws_dq_kernel = lambda: Recorder(ws_dq, log)
+        ws_kv = _KERNELS.setdefault("gluon_ws_dkdv", gluon_launcher._ws_dkdv_kernel())
+        gluon_launcher._ws_dkdv_kernel = lambda: Recorder(ws_kv, log)
     gluon_bwd = _KERNELS.setdefault("gluon_bwd", gluon_launcher._bwd_kernels())
     if gluon_bwd is not None:
         gluon_launcher._bwd_kernels = lambda: tuple(Recorder(k, log) for k in gluon_bwd)
@@ -253,6 +255,17 @@ def record(quick: bool):
             launchers.get_config = lambda kind, d, e, interpret, ws_q=ws_q, **kw: (
                 ws_q if kind == "bwd_q" else real_get(kind, d, e, False, **kw))
             for D in (64, 128):
+                run(D=D)
+                run(D=D, window_left=40, window_right=0, softcap=20.0, dtype=torch.float16)
+                run(D=D, window_right=0, lo=False, alibi_slopes=torch.rand(2, 4))
+                run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
+                    window_right=0, offset_bottom_right=True)
+        # the warp-specialized dK/dV kernel, dQ fused (BWD_VARIANTS "kv-ws-fused-...")
+        for stages in (2, 3):
+            ws_kv = configs.TileConfig(64, 128, 4, stages, gluon=True, consumers=2, fused_dq=True)
+            launchers.get_config = lambda kind, d, e, interpret, ws_kv=ws_kv, **kw: (
+                ws_kv if kind == "bwd_kv" else real_get(kind, d, e, False, **kw))
+            for D in (64, 128) if gluon_launcher.ws_dkdv_shared_bytes(ws_kv, 128) <= SMEM_LIMIT else (64,):
                 run(D=D)
                 run(D=D, window_left=40, window_right=0, softcap=20.0, dtype=torch.float16)
                 run(D=D, window_right=0, lo=False, alibi_slopes=torch.rand(2, 4))

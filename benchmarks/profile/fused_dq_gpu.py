@@ -3,6 +3,8 @@ kernels (dK/dV, then dQ), in one process (sm_90).
 
     PYTHONPATH=. python benchmarks/profile/fused_dq_gpu.py [--json PATH]
 
+FF_FUSED_ROWS / FF_FUSED_VARIANTS (comma-separated labels) pick a subset for a short device call.
+
 Each row runs a training step (forward + backward) and the backward alone, bf16, PERF.md's
 shapes (16k tokens, H * D = 2048), twice with the same dK/dV tiles: deterministic=True (the
 ordered kernels: 7 products per tile pair, dQ's scores recomputed) and deterministic=False
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from flashforge.benchmark.flops import visible_pairs
 from flashforge.ops.triton import configs
-from _rows import finish, rel_diff, row_inputs, run_rows, tiles, training_times
+from _rows import finish, only, rel_diff, row_inputs, run_rows, tiles, training_times
 
 TC = configs.TileConfig
 # (label, S, D, causal, window, Hkv divisor)
@@ -24,17 +26,22 @@ ROWS = [
     ("D64 S4k causal", 4096, 64, True, None, 1),
     ("D64 S16k causal", 16384, 64, True, None, 1),
     ("D64 S4k causal GQA 4", 4096, 64, True, None, 4),
+    ("D128 S1k causal", 1024, 128, True, None, 1),
     ("D128 S4k causal", 4096, 128, True, None, 1),
+    ("D128 S16k causal", 16384, 128, True, None, 1),
     ("D128 S16k", 16384, 128, False, None, 1),
 ]
 # the fused dK/dV tiles tried per head dim (name -> config); "ordered" is the table's pair of
 # kernels with deterministic=True
 VARIANTS = {
-    64: {"64x64 4w overlap s3": TC(64, 64, 4, 3, gluon=True, fused_dq=True),
+    64: {"ws 2x64 keys s2": TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True),
+         "ws 2x64 keys s3": TC(64, 128, 4, 3, gluon=True, consumers=2, fused_dq=True),
+         "64x64 4w overlap s3": TC(64, 64, 4, 3, gluon=True, fused_dq=True),
          "64x128 8w overlap s2": TC(64, 128, 8, 2, gluon=True, fused_dq=True),
          "64x64 4w one-at-a-time s3": TC(64, 64, 4, 3, gluon=True, overlap=False, fused_dq=True),
          "64x128 8w one-at-a-time s3": TC(64, 128, 8, 3, gluon=True, overlap=False, fused_dq=True)},
-    128: {"64x64 4w one-at-a-time s2": TC(64, 64, 4, 2, gluon=True, overlap=False, fused_dq=True),
+    128: {"ws 2x64 keys s2": TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True),
+          "64x64 4w one-at-a-time s2": TC(64, 64, 4, 2, gluon=True, overlap=False, fused_dq=True),
           "64x128 8w one-at-a-time s2": TC(64, 128, 8, 2, gluon=True, overlap=False, fused_dq=True)},
 }
 
@@ -45,7 +52,8 @@ def run_row(label, S, D, causal, window, gdiv):
     fwd_flops = 4.0 * B * H * D * visible_pairs(S, S, causal, 0, window)
     out = {"row": label, "variants": {}}
     grads = {}
-    for name, kv in [("ordered", None)] + list(VARIANTS[D].items()):
+    chosen = {n: VARIANTS[D][n] for n in only("FF_FUSED_VARIANTS", VARIANTS[D])}
+    for name, kv in [("ordered", None)] + list(chosen.items()):
         kw = dict(causal=causal, window=None if window is None else (window, -1), backend="triton",
                   deterministic=kv is None)
         with tiles("bwd_kv", D, kv):
@@ -56,7 +64,7 @@ def run_row(label, S, D, causal, window, gdiv):
 
 
 def main():
-    rows, args = run_rows(ROWS, run_row)
+    rows, args = run_rows([r for r in ROWS if r[0] in only("FF_FUSED_ROWS", [x[0] for x in ROWS])], run_row)
     print(f"{'row':18} {'variant':28} {'bwd':>5} {'ratio':>6} {'fwdbwd':>7} {'ratio':>6}  rel.diff")
     for r in rows:
         base = r["variants"]["ordered"]

@@ -58,6 +58,12 @@ def _ws_kernel():
 
 
 @functools.lru_cache(maxsize=None)
+def _ws_dkdv_kernel():
+    from .attention_bwd_dkdv_ws_sm90 import attn_bwd_dkdv_ws_sm90_kernel
+    return attn_bwd_dkdv_ws_sm90_kernel
+
+
+@functools.lru_cache(maxsize=None)
 def _ws_dq_kernel():
     from .attention_bwd_dq_ws_sm90 import attn_bwd_dq_ws_sm90_kernel
     return attn_bwd_dq_ws_sm90_kernel
@@ -72,6 +78,12 @@ def ws_shared_bytes(cfg, D: int, resident: int = 1) -> int:
     for the barriers and alignment (the compiled kernels use 120-472 B)."""
     v_stages = cfg.v_stages or max(2, cfg.num_stages)
     return 2 * (2 * resident * 64 * D + (max(2, cfg.num_stages) + v_stages) * cfg.block_n * D) + 1024
+
+
+def ws_dkdv_shared_bytes(cfg, D: int) -> int:
+    """The warp-specialized dK/dV kernel's: both consumers' K and V, the Q / dO ring, both dS^T
+    tiles (16-bit) and both dQ buffers (float32), 1 KB more."""
+    return 2 * (4 * 64 * D + 2 * max(2, cfg.num_stages) * 64 * D + 2 * 64 * 64) + 2 * 64 * D * 4 + 1024
 
 
 # the warp-specialized forward's register split (setmaxnreg): 240 for each consumer warpgroup,
@@ -269,9 +281,11 @@ def bwd_tiles_fit(kind: str, cfg, head_dim: int) -> bool:
     accumulators in registers, 256 a thread, the kernel would spill)."""
     if kind == "bwd_kv" and head_dim > 128 and not cfg.split_kv:
         return False
-    if cfg.consumers == 2:  # the warp-specialized dQ kernel: two 64-row consumers of 4 warps
-        return kind == "bwd_q" and cfg.block_m == 128 and cfg.num_warps == 4 and \
-            ws_shared_bytes(cfg, head_dim, resident=2) <= _SMEM_SM90
+    if cfg.consumers == 2:  # the warp-specialized kernels: two 64-row consumers of 4 warps
+        if kind == "bwd_kv":  # (dQ fused: `fuses_dq` says where it serves)
+            return cfg.block_n == 128 and cfg.block_m == 64 and cfg.num_warps == 4 and head_dim <= 128 and \
+                not cfg.split_kv and ws_dkdv_shared_bytes(cfg, head_dim) <= _SMEM_SM90
+        return cfg.block_m == 128 and cfg.num_warps == 4 and ws_shared_bytes(cfg, head_dim, resident=2) <= _SMEM_SM90
     return (cfg.block_n if kind == "bwd_kv" else cfg.block_m) == 16 * cfg.num_warps
 
 
@@ -282,6 +296,8 @@ def fuses_dq(cfg, head_dim: int, params: AttnParams) -> bool:
     order), one launch computes dK and dV (no split_kv), and the query tiles are one wgmma tall
     (64 rows: dQ_t's; with two warpgroups, 128 keys, each computes half of its columns); overlapped
     tiles (`overlap`) for D = 64 only, and a Triton with the copy engine's reduce."""
+    if cfg.consumers == 2:  # the warp-specialized dK/dV kernel always fuses dQ
+        return cfg.fused_dq and not params.deterministic and head_dim <= 128 and _reduce_ready()
     return (cfg.fused_dq and not params.deterministic and not cfg.split_kv and cfg.num_warps in (4, 8)
             and cfg.block_m == 64 and (head_dim == 64 if cfg.overlap else head_dim <= 128) and _reduce_ready())
 
@@ -359,9 +375,9 @@ def dq_descriptor(dq_acc, params: AttnParams):
 
 def input_rows(cfg, kind: str) -> tuple[int, int]:
     """Rows of (q and dO, k and v) in the boxes of backward pass `kind` ("bwd_q", "bwd_kv") with
-    tiles `cfg`: its tiles', but one consumer's 64 of the warp-specialized dQ kernel's 128."""
-    if cfg.consumers == 2 and kind == "bwd_q":
-        return 64, cfg.block_n
+    tiles `cfg`: its tiles', but one consumer's 64 of a warp-specialized kernel's resident 128."""
+    if cfg.consumers == 2:  # the dQ kernel's 128 queries, the dK/dV kernel's 128 keys
+        return (64, cfg.block_n) if kind == "bwd_q" else (cfg.block_m, 64)
     return cfg.block_m, cfg.block_n
 
 
@@ -403,6 +419,17 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     mod, mod_flags = _modifiers(params, lse)
     if not ready:
         far = lse if lse_lo is None else torch.empty(B * Hkv, device=lse.device, dtype=torch.int32)
+    if cfg.consumers == 2:  # warp-specialized, dQ fused (`fuses_dq`): k, v, dK, dV in 64-row boxes
+        dk_desc = desc(dk, 64)
+        args = (*(inputs or input_descriptors(q, k, v, do, params, cfg, "bwd_kv")), dk_desc, desc(dv, 64), lse,
+                lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
+                Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod, dq_descriptor(dq_acc, params))
+        for second in ((False,) if lse_lo is None else (False, True)):
+            launch(_ws_dkdv_kernel(), grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags,
+                   BLOCK_M=cfg.block_m, D=D, STAGES=max(2, cfg.num_stages), VARLEN=params.is_varlen,
+                   HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, CONSUMER_REGS=_WS_REGS[0],
+                   LOADER_REGS=_WS_REGS[1], num_warps=4)
+        return dk, dv
     dk_desc = desc(dk, cfg.block_n)
     args = (*(inputs or input_descriptors(q, k, v, do, params, cfg, "bwd_kv")), dk_desc, desc(dv, cfg.block_n), lse,
             lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,

@@ -617,6 +617,17 @@ def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
              HAS_ALIBI: gl.constexpr = False):
     """dS ([queries, keys], float32) of one key tile; with softcap, with respect to the raw
     product (dS * (1 - t^2))."""
+    _, ds = p_and_ds(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope, alibi_off,
+                     s_layout, MASKED, CAUSAL, HAS_WL, BLOCK_N, HAS_LO, FUSE, HAS_SOFTCAP, HAS_ALIBI)
+    return ds
+
+
+@gluon.jit
+def p_and_ds(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope, alibi_off,
+             s_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+             BLOCK_N: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr = False,
+             HAS_SOFTCAP: gl.constexpr = False, HAS_ALIBI: gl.constexpr = False):
+    """(P, dS) ([queries, keys], float32) of one key tile (`_ds_tile`'s dS)."""
     MOD: gl.constexpr = HAS_SOFTCAP or HAS_ALIBI
     if MOD:  # the forward's score, exactly (scores.py)
         o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -636,7 +647,7 @@ def _ds_tile(s, dp, n0, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale,
     ds = p * (dp - delta[:, None])
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
-    return ds
+    return p, ds
 
 
 @gluon.jit

@@ -282,6 +282,10 @@ def _gluon_backward(q, k, v, do, lse, mask, params: AttnParams, cfg_kv, cfg_q, a
             explain("backward " + kind, "portable kernel", lambda g: f"its Gluon tiles {g} do not fit D = {D} "
                     "(one warp per 16 resident rows; past D = 128 dK/dV needs split_kv)", g)
             g = None
+        elif kind == "bwd_kv" and g.consumers == 2 and not gluon_attention.fuses_dq(g, D, params):
+            explain("backward " + kind, "portable kernel", "the warp-specialized dK/dV kernel adds dQ in varying "
+                    "order, and the call asks to be deterministic")
+            g = None
         out.append(g)
     return tuple(out)
 

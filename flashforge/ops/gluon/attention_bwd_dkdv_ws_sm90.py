@@ -1,0 +1,332 @@
+"""Hopper (sm_90) dK/dV kernel in Gluon, warp-specialized, with dQ fused: a program owns 128 keys.
+
+Why (issue 18): the ordered pair of backward kernels runs 7 products a (query tile, key tile)
+pair, the dQ kernel recomputing S and dP; FA3 runs 5 by adding dQ_t = dS K into a float32
+accumulator.  `attention_bwd_sm90`'s FUSED_DQ does that in one warpgroup, but with the reduce
+waits in its instruction stream and 245-255 registers (D = 128 spills); it measured level with the
+pair (RESULTS.md v0.8.9).  Here:
+
+- two consumer warpgroups (partitions) of 64 keys each share every Q and dO tile, which a loader
+  warp copies into a ring (ready / empty barriers; both consumers release a slot), so each SM
+  copies each query tile once for 128 keys;
+- each consumer computes, per query tile, S = Q K_c^T and dP = dO V_c^T (queries by keys, so
+  lse and delta cost two registers a thread, not sixteen), then P and dS into shared memory,
+  dV += P^T dO, dK += dS^T Q, and dQ_t = dS K_c in 32-column parts into its dQ buffer;
+- a writer warp hands each consumer's buffer to the copy engine's reduce-add (into the zeroed
+  float32 accumulator) and waits for it to be read, so no consumer waits on a reduce.
+
+Both consumers walk the union of their query tiles (a 128-key block's range); a tile one
+consumer's keys do not see is masked whole there (P = dS = 0).  lse's low part: the two-launch
+scheme of `attn_bwd_dkdv_sm90_kernel` (LO_PASS).  Scope: D <= 128, 64-row query tiles, not
+deterministic (the adds come in varying order), no split of dK and dV.
+
+Where it stands (H200, bf16, RESULTS.md v0.9.1): opt-in (bwd_kv `TileConfig(64, 128, 4, 2,
+gluon=True, consumers=2, fused_dq=True)`), not in the table.  Against the table's ordered pair it
+measured 1.00-1.08x on the backward at S >= 4k (D = 64 S16k causal 360 vs 333 TFLOP/s) and
+0.43-0.88x at S = 1k, where the step is host-bound.  Ablations put the rest in shared-memory
+traffic: without the dQ product it ran 1.2-1.3x, without the reduce-adds 1.03-1.19x.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+
+from .attention_bwd_sm90 import _lo_needed, _row_stats, p_and_ds
+from .ws_pipeline import HALF
+from .pipeline import copy_in, copy_out, reduce_out, sequence, slot, wait
+from .rounding import fused_score
+
+
+@gluon.jit
+def _tile_rows(t, n_mt, mt_lo, hk, group, BLOCK_M: gl.constexpr):
+    # (first query row, head) of flattened tile t: (head of the group, query tile)
+    g = t // n_mt
+    return (mt_lo + t - g * n_mt) * BLOCK_M, hk * group + g
+
+
+@gluon.jit
+def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
+                 dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
+                 n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
+                 ME: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                 HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                 VARLEN: gl.constexpr, USE_LO: gl.constexpr, DQ_N: gl.constexpr, p_smem):
+    """dK, dV of keys n0 + ME * 64 + [0, 64), and their share of every tile's dQ.
+
+    The scores are formed queries by keys (S = Q K^T, as the dQ kernel does), so lse, its low part
+    and delta are row vectors of two registers a thread (keys by queries, each was sixteen);
+    P and dS go through shared memory, where their transposes are the A operands of
+    dV += P^T dO and dK += dS^T Q, and dS itself that of dQ_t = dS K."""
+    dtype: gl.constexpr = k_smem.dtype
+    FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    NP: gl.constexpr = D // DQ_N
+    gl.static_assert((NP == 2) or (NP == 4), "D = 64 or 128: two or four float32 boxes of dQ")
+
+    nc = n0 + ME * HALF
+    # this half's masks over the block's query tiles: the causal diagonal crosses tiles before
+    # mt_full (tiles wholly before these keys are masked whole), a window's left edge those from n_lfull
+    if CAUSAL:
+        mt_full = gl.maximum(gl.cdiv(gl.maximum(nc + HALF - 1 - offset, 0), BLOCK_M), mt_lo)
+        n_masked_c = gl.minimum(mt_full - mt_lo, n_mt)
+    else:
+        n_masked_c = n_masked
+    if HAS_WL:
+        n_lfull_c = gl.maximum(nc - offset + span + 1, 0) // BLOCK_M - mt_lo
+    else:
+        n_lfull_c = n_lfull
+    n_mt_div = gl.maximum(n_mt, 1)
+    tail = nc + HALF > Sk  # this half's keys cross the sequence's end
+    s_zero = gl.zeros([BLOCK_M, HALF], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
+    # (as in-flight accumulators: each tile's dK and dV products retire at the next tile's wait)
+    dk = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, layout=acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, layout=acc_layout))
+    mbarrier.wait(kv_bar, 0)
+    k_t = k_smem.reshape([HALF, D])
+    v_t = v_smem.reshape([HALF, D])
+    for t in range(T):
+        wait(ready, t, STAGES)
+        q_s = slot(q_ring, t, BLOCK_M, D, STAGES)
+        do_s = slot(do_ring, t, BLOCK_M, D, STAGES)
+        s = warpgroup_mma(q_s, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_s, v_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
+        o_m = m + gl.arange(0, BLOCK_M, layout=row_s)
+        lse2, lo, delta = _row_stats(LSE, LSE_LO, DELTA, row_b + h.to(gl.int64) * stride_lh, o_m, Sq, USE_LO)
+        if HAS_ALIBI:
+            slope = gl.load(SL + h * stride_sh)
+        else:
+            slope = 0.0
+        # (retires the previous tile's dV and dK as well, so its Q and dO slot goes back)
+        s, dp, dv, dk = warpgroup_mma_wait(0, deps=(s, dp, dv, dk))
+        if t > 0:
+            mbarrier.arrive(empty.index((t - 1) % STAGES), count=1)
+        i = t - (t // n_mt_div) * n_mt_div  # the tile's place among its head's
+        if HAS_WL:
+            edge = (i < n_masked_c) | (i >= n_lfull_c)
+        else:
+            edge = i < n_masked_c
+        # keys past Sk (zero-filled) are masked too: their P, exp2(-lse), could overflow where lse
+        # is far below 0, and inf * 0 in dS K would put NaN into dQ
+        edge = edge | tail
+        if edge:
+            p, ds = p_and_ds(s, dp, nc, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
+                             alibi_off, s_layout, True, CAUSAL, HAS_WL, HALF, USE_LO, FUSE, HAS_SOFTCAP, HAS_ALIBI)
+        else:
+            p, ds = p_and_ds(s, dp, nc, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
+                             alibi_off, s_layout, False, CAUSAL, HAS_WL, HALF, USE_LO, FUSE, HAS_SOFTCAP, HAS_ALIBI)
+        p_smem.store(p.to(dtype))
+        ds_smem.store(ds.to(dtype))
+        fence_async_shared()
+        # dQ_t = dS K over these 64 keys, one product D wide (narrower ones would each read dS
+        # again), issued before dV and dK, so it retires first and is stored while those run
+        dq = warpgroup_mma(ds_smem, k_t, dq_zero, use_acc=False, is_async=True)
+        dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
+        dq = warpgroup_mma_wait(2, deps=(dq, ))
+        # into this consumer's buffer, once the writer has handed the previous tile's to the copy
+        # engine, in boxes of DQ_N columns (a float32 TMA box is 32 wide): halves of the register
+        # tile, each thread's own registers (no data moves)
+        mbarrier.wait(dq_empty, (t & 1) ^ 1)
+        lo_half, hi_half = (dq * scale).reshape([BLOCK_M, 2, D // 2]).permute(0, 2, 1).split()
+        if NP == 2:
+            dq_smem.index(0).reshape([BLOCK_M, DQ_N]).store(lo_half)
+            dq_smem.index(1).reshape([BLOCK_M, DQ_N]).store(hi_half)
+        else:
+            q0, q1 = lo_half.reshape([BLOCK_M, 2, DQ_N]).permute(0, 2, 1).split()
+            q2, q3 = hi_half.reshape([BLOCK_M, 2, DQ_N]).permute(0, 2, 1).split()
+            dq_smem.index(0).reshape([BLOCK_M, DQ_N]).store(q0)
+            dq_smem.index(1).reshape([BLOCK_M, DQ_N]).store(q1)
+            dq_smem.index(2).reshape([BLOCK_M, DQ_N]).store(q2)
+            dq_smem.index(3).reshape([BLOCK_M, DQ_N]).store(q3)
+        fence_async_shared()
+        mbarrier.arrive(dq_full, count=1)
+    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    if T > 0:
+        mbarrier.arrive(empty.index((T - 1) % STAGES), count=1)  # the last tile's Q and dO are read
+    # dK, dV through K's and V's buffers (read no more) and TMA, which clips rows past Sk
+    k_smem.reshape([HALF, D]).store((dk * scale).to(dtype))
+    v_smem.reshape([HALF, D]).store(dv.to(dtype))
+    fence_async_shared()
+    copy_out(dk_desc, b, nc, hk, k_start, Sk, k_smem, VARLEN)
+    copy_out(dv_desc, b, nc, hk, k_start, Sk, v_smem, VARLEN)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _kv_consumer1(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
+                  dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
+                  n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
+                  CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                  BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr,
+                  USE_LO: gl.constexpr, DQ_N: gl.constexpr, p_smem):
+    # the second half's keys, in a worker partition
+    _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
+                 dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
+                 n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, 1, CAUSAL,
+                 HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem)
+
+
+@gluon.jit
+def _kv_loader(q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring, do_ring, ready,
+               empty, b, hk, group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M: gl.constexpr,
+               STAGES: gl.constexpr, VARLEN: gl.constexpr):
+    """Each half's K and V, then the block's query tiles (Q and dO together), each into the ring's
+    next slot once both consumers have released it (empty barriers start complete)."""
+    mbarrier.expect(kv_bars.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    copy_in(k_desc, b, n0, hk, k_start, Sk, kv_bars.index(0), k_smem0, True, VARLEN)
+    copy_in(v_desc, b, n0, hk, k_start, Sk, kv_bars.index(0), v_smem0, True, VARLEN)
+    mbarrier.expect(kv_bars.index(1), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    copy_in(k_desc, b, n0 + HALF, hk, k_start, Sk, kv_bars.index(1), k_smem1, True, VARLEN)
+    copy_in(v_desc, b, n0 + HALF, hk, k_start, Sk, kv_bars.index(1), v_smem1, True, VARLEN)
+    n_mt_div = gl.maximum(n_mt, 1)
+    for t in range(T):
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        copy_in(q_desc, b, m, h, q_start, Sq, ready.index(s), q_ring.index(s), True, VARLEN)
+        copy_in(do_desc, b, m, h, q_start, Sq, ready.index(s), do_ring.index(s), True, VARLEN)
+
+
+@gluon.jit
+def _dq_writer(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt, mt_lo,
+               BLOCK_M: gl.constexpr, D: gl.constexpr, DQ_N: gl.constexpr, VARLEN: gl.constexpr):
+    """Each tile's two dQ buffers (one a consumer) into the float32 accumulator by the copy
+    engine's reduce-add; a buffer goes back to its consumer once the reduces have read it."""
+    n_mt_div = gl.maximum(n_mt, 1)
+    for t in range(T):
+        m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
+        _reduce_buffer(dq_desc, dq_smem0, dq_full.index(0), dq_empty.index(0), t, b, m, h, q_start, Sq, D, DQ_N,
+                       VARLEN)
+        _reduce_buffer(dq_desc, dq_smem1, dq_full.index(1), dq_empty.index(1), t, b, m, h, q_start, Sq, D, DQ_N,
+                       VARLEN)
+
+
+@gluon.jit
+def _reduce_buffer(dq_desc, buf, full, empty, t, b, m, h, q_start, Sq, D: gl.constexpr, DQ_N: gl.constexpr,
+                   VARLEN: gl.constexpr):
+    # one consumer's tile-t dQ parts, once written, added by the copy engine; the buffer is free
+    # again once the reduces have read it
+    mbarrier.wait(full, t & 1)
+    for p in gl.static_range(D // DQ_N):
+        reduce_out(dq_desc, b, m, h, p * DQ_N, q_start, Sq, buf.index(p), VARLEN)
+    tma.store_wait(0)
+    mbarrier.arrive(empty, count=1)
+
+
+@gluon.jit
+def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
+                                 stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset,
+                                 bottom_right, span, qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right,
+                                 dq_desc, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                                 HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                                 STAGES: gl.constexpr, VARLEN: gl.constexpr, HAS_LO: gl.constexpr,
+                                 LO_PASS: gl.constexpr, FAR_READY: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                 LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV of one 128-key block and its adds to dQ (the arguments mean attn_bwd_dkdv_sm90_kernel's
+    with FUSED_DQ and PART 0; k, v, dK, dV boxes are one consumer's 64 rows).  With lse_lo, two
+    launches: the first (LO_PASS=False) leaves the blocks of GQA groups with a row far from 0 to
+    the second (LO_PASS=True), which subtracts lse_lo; there the other programs do nothing."""
+    dtype: gl.constexpr = q_desc.dtype
+    DQ_N: gl.constexpr = dq_desc.block_type.shape[len(dq_desc.block_type.shape) - 1]
+    BLOCK_N: gl.constexpr = 2 * HALF
+    pid = gl.program_id(0)
+    bh = gl.program_id(1)
+    Hkv = Hq // group
+    b = bh // Hkv
+    hk = bh % Hkv
+    n0 = pid * BLOCK_N
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
+                                                   bottom_right, VARLEN)
+    row_b = b.to(gl.int64) * stride_lb + q_start
+    SL = SLOPES + b * stride_sb
+    alibi_off = offset - right
+
+    # the block's query tiles [mt_lo, mt_end), as attn_bwd_dkdv_sm90_kernel's over 128 keys
+    if CAUSAL:
+        mt_lo = gl.maximum(n0 - offset, 0) // BLOCK_M
+        mt_full = gl.maximum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M), mt_lo)
+    else:
+        mt_lo = 0
+        mt_full = 0
+    if HAS_WL:
+        mt_end = gl.minimum(gl.cdiv(Sq, BLOCK_M), gl.cdiv(gl.maximum(n0 + BLOCK_N - offset + span, 0), BLOCK_M))
+        n_lfull = gl.maximum(n0 - offset + span + 1, 0) // BLOCK_M - mt_lo
+    else:
+        mt_end = gl.cdiv(Sq, BLOCK_M)
+        n_lfull = 0
+    n_mt = gl.maximum(mt_end - mt_lo, 0)
+    if n0 >= Sk:
+        n_mt = 0
+    T = n_mt * group
+    n_masked = gl.minimum(mt_full - mt_lo, n_mt)
+    # lse_lo's two launches: which programs this one runs, and whether they subtract it
+    if LO_PASS:
+        active = gl.load(FAR + bh) != 0
+        USE_LO: gl.constexpr = True
+    else:
+        active = True
+        USE_LO: gl.constexpr = False
+        if HAS_LO:
+            if FAR_READY:
+                far = gl.load(FAR + bh) != 0
+            else:
+                far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
+                if pid == 0:
+                    gl.store(FAR + bh, far.to(gl.int32))
+            if far:  # the second launch computes this block; here its dK, dV are zeros
+                T = 0
+    if not active:
+        T = 0
+
+    k_smem0 = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem0 = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    k_smem1 = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem1 = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    # P and dS of a tile, [queries, keys], one pair a consumer
+    p_smem0 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], ds_layout)
+    p_smem1 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], ds_layout)
+    ds_smem0 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], ds_layout)
+    ds_smem1 = gl.allocate_shared_memory(dtype, [BLOCK_M, HALF], ds_layout)
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [D // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [D // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_bars.index(i), count=1)
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()
+
+    if active:
+        gl.warp_specialize([
+            (_kv_consumer, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem0, v_smem0, kv_bars.index(0), q_ring, do_ring,
+                            ready, empty, ds_smem0, dq_smem0, dq_full.index(0), dq_empty.index(0), b, hk, group, n0,
+                            k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b,
+                            stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, 0, CAUSAL, HAS_WL,
+                            HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem0)),
+            (_kv_consumer1, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem1, v_smem1, kv_bars.index(1), q_ring, do_ring,
+                             ready, empty, ds_smem1, dq_smem1, dq_full.index(1), dq_empty.index(1), b, hk, group, n0,
+                             k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b,
+                             stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, CAUSAL, HAS_WL,
+                             HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem1)),
+            (_kv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring,
+                          do_ring, ready, empty, b, hk, group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M,
+                          STAGES, VARLEN)),
+            (_dq_writer, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt, mt_lo,
+                          BLOCK_M, D, DQ_N, VARLEN)),
+        ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
