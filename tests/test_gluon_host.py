@@ -313,3 +313,27 @@ def test_dq_descriptor_boxes_match_the_fused_kernel(packed):
     else:
         assert list(d.strides) == list(acc.stride()) and list(d.shape) == list(acc.shape)
     assert gluon_attention.DQ_COLS * 4 == d.layout.swizzle_byte_width  # one swizzle row per box row
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_repeat_calls_descriptors_share_a_launch_key(packed):
+    """The launch cache (ops/launch.py) keys a descriptor by its layout's identity, so the
+    descriptors a backward builds on each call -- the inputs' and the dQ accumulator's -- must key
+    alike from one call to the next.  (dq_descriptor once built its layout per call: every fused
+    launch missed the cache, ~0.5 ms of host time a backward on the H200, and the cache grew by an
+    entry a call.)"""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashforge.ops.gluon import attention_bwd_sm90  # noqa: F401  (the kernel module imports)
+    from flashforge.ops.launch import launch_key
+    p = _params(cu_seqlens_q=torch.tensor([0, 100, 300], dtype=torch.int32), max_seqlen_q=200) if packed else _params()
+    shape = (1 if packed else 2, 300, 4, 64)
+    ws = TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True)
+
+    def keys():
+        acc = torch.zeros(shape)
+        q, k, v, do = (torch.randn(shape, dtype=torch.bfloat16) for _ in range(4))
+        descs = [gluon_attention.dq_descriptor(acc, p), *gluon_attention.input_descriptors(q, k, v, do, p, ws, "bwd_kv")]
+        return launch_key(descs)
+
+    first, again = keys(), keys()
+    assert first is not None and first == again

@@ -317,6 +317,15 @@ def _layout(rank=4):
     return _kernel()[1].NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=rank)
 
 
+@functools.lru_cache(maxsize=None)
+def _dq_layout(rank: int):
+    """The float32 dQ accumulator's staging layout (128-byte swizzle), built once per rank: the
+    launch cache keys a descriptor's layout by identity (ops/launch.py), so a layout built per call
+    made every fused launch miss it (Triton's own path, ~0.5 ms of host time a backward on the
+    device, RESULTS.md v0.9.1) and grow the cache by one entry a call."""
+    return _kernel()[1].NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=rank)
+
+
 def _descriptor(t, rows):
     """A 4-D box [1, rows, 1, D] over [B, S, H, D]: the copy engine zero-fills rows past a
     sequence's end and clips stores there, so no tile reads or writes another sequence's rows.
@@ -365,8 +374,7 @@ DQ_COLS = 32  # float32 columns per 128-byte swizzle row: the widest box (the ke
 def dq_descriptor(dq_acc, params: AttnParams):
     """The float32 dQ accumulator's descriptor for the fused dK/dV kernel's reduce-adds: [1, 64, 1,
     DQ_COLS] boxes (dense, or ragged when packed), 128-byte swizzled as the kernel stages them."""
-    layout = _kernel()[1].NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
-                                            rank=5 if params.is_varlen else 4)
+    layout = _dq_layout(5 if params.is_varlen else 4)
     if params.is_varlen:
         shape, strides = ragged_shape_strides(dq_acc)
         return _unchecked_descriptor(dq_acc, shape, strides, [1, 1, 64, 1, DQ_COLS], layout)
