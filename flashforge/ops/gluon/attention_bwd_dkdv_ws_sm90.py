@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attention_bwd_sm90 import _lo_needed, _row_stats, p_and_ds
 from .ws_pipeline import HALF
-from .pipeline import copy_in, copy_out, reduce_out, sequence, slot, wait
+from .pipeline import copy_in, copy_out, query_window, reduce_out, sequence, slot, wait
 from .rounding import fused_score
 
 
@@ -247,24 +247,9 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
     SL = SLOPES + b * stride_sb
     alibi_off = offset - right
 
-    # the block's query tiles [mt_lo, mt_end), as attn_bwd_dkdv_sm90_kernel's over 128 keys
-    if CAUSAL:
-        mt_lo = gl.maximum(n0 - offset, 0) // BLOCK_M
-        mt_full = gl.maximum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M), mt_lo)
-    else:
-        mt_lo = 0
-        mt_full = 0
-    if HAS_WL:
-        mt_end = gl.minimum(gl.cdiv(Sq, BLOCK_M), gl.cdiv(gl.maximum(n0 + BLOCK_N - offset + span, 0), BLOCK_M))
-        n_lfull = gl.maximum(n0 - offset + span + 1, 0) // BLOCK_M - mt_lo
-    else:
-        mt_end = gl.cdiv(Sq, BLOCK_M)
-        n_lfull = 0
-    n_mt = gl.maximum(mt_end - mt_lo, 0)
-    if n0 >= Sk:
-        n_mt = 0
+    # the block's query tiles, as attn_bwd_dkdv_sm90_kernel's over 128 keys (`query_window`)
+    mt_lo, n_mt, n_masked, n_lfull = query_window(n0, Sq, Sk, offset, span, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL)
     T = n_mt * group
-    n_masked = gl.minimum(mt_full - mt_lo, n_mt)
     # lse_lo's two launches: which programs this one runs, and whether they subtract it
     if LO_PASS:
         active = gl.load(FAR + bh) != 0

@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_block,
-                       reduce_out, sequence, slot, visible, wait)
+                       query_window, reduce_out, sequence, slot, visible, wait)
 from .rounding import LOG2E, exponent, fused_score, mul_rn
 from .scores import modified_score
 
@@ -504,26 +504,10 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    # query tiles [mt_lo, mt_end) see these keys; those before mt_full cross the causal diagonal,
-    # those from mt_lfull on the window's left edge (query m sees key n iff n >= m + offset - span)
-    if CAUSAL:
-        mt_lo = gl.maximum(n0 - offset, 0) // BLOCK_M
-        mt_full = gl.maximum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M), mt_lo)
-    else:
-        mt_lo = 0
-        mt_full = 0
-    if HAS_WL:
-        mt_end = gl.minimum(gl.cdiv(Sq, BLOCK_M), gl.cdiv(gl.maximum(n0 + BLOCK_N - offset + span, 0), BLOCK_M))
-        n_lfull = gl.maximum(n0 - offset + span + 1, 0) // BLOCK_M - mt_lo
-    else:
-        mt_end = gl.cdiv(Sq, BLOCK_M)
-        n_lfull = 0
-    n_mt = gl.maximum(mt_end - mt_lo, 0)
-    if n0 >= Sk:  # a key block past a packed sequence's end: nothing to compute or write
-        n_mt = 0
+    # the query tiles that see these keys, and which of them need a mask (`query_window`)
+    mt_lo, n_mt, n_masked, n_lfull = query_window(n0, Sq, Sk, offset, span, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL)
     T = n_mt * group  # flattened: (head of the group, query tile)
     n_mt_div = gl.maximum(n_mt, 1)
-    n_masked = gl.minimum(mt_full - mt_lo, n_mt)
 
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     if PART != 1:  # dV alone needs no V (and stores through K's buffer)

@@ -173,6 +173,32 @@ def visible(i2, j2, Sk, offset, span, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr
 
 
 @gluon.jit
+def query_window(n0, Sq, Sk, offset, span, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                 HAS_WL: gl.constexpr):
+    """(mt_lo, n_mt, n_masked, n_lfull), the dK/dV kernels' mirror of `key_window`: keys
+    [n0, n0 + BLOCK_N) are seen by query tiles [mt_lo, mt_lo + n_mt); of those, the first n_masked
+    cross the causal diagonal and those from n_lfull on a window's left edge (query m sees key n
+    iff n >= m + offset - span), so they need a mask; n_mt = 0 for a key block past a packed
+    sequence's end (nothing to compute or write)."""
+    if CAUSAL:
+        mt_lo = gl.maximum(n0 - offset, 0) // BLOCK_M
+        mt_full = gl.maximum(gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M), mt_lo)
+    else:
+        mt_lo = 0
+        mt_full = 0
+    if HAS_WL:
+        mt_end = gl.minimum(gl.cdiv(Sq, BLOCK_M), gl.cdiv(gl.maximum(n0 + BLOCK_N - offset + span, 0), BLOCK_M))
+        n_lfull = gl.maximum(n0 - offset + span + 1, 0) // BLOCK_M - mt_lo
+    else:
+        mt_end = gl.cdiv(Sq, BLOCK_M)
+        n_lfull = 0
+    n_mt = gl.maximum(mt_end - mt_lo, 0)
+    if n0 >= Sk:
+        n_mt = 0
+    return mt_lo, n_mt, gl.minimum(mt_full - mt_lo, n_mt), n_lfull
+
+
+@gluon.jit
 def key_window(m0, Sq, Sk, offset, span, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                HAS_WL: gl.constexpr):
     """(n_lo, n_tiles, n_lfull, n_full), tiles counted from n_lo: queries [m0, m0 + BLOCK_M) see
