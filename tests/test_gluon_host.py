@@ -85,10 +85,25 @@ def test_head_dims(D, ok):
     ("bwd_kv", TileConfig(32, 64, 8, 2, gluon=True, split_kv=True), 256, False),  # 8 warps, 64 keys
     ("bwd_q", TileConfig(64, 32, 4, 2, gluon=True), 256, True),
     ("bwd_q", TileConfig(64, 32, 8, 2, gluon=True), 256, False),
+    # the warp-specialized dK/dV kernel (dQ fused): 2 slots fit D = 128 (229,960 B), 3 do not
+    ("bwd_kv", TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True), 128, True),
+    ("bwd_kv", TileConfig(64, 128, 4, 3, gluon=True, consumers=2, fused_dq=True), 128, False),
+    ("bwd_kv", TileConfig(64, 128, 4, 3, gluon=True, consumers=2, fused_dq=True), 64, True),
 ])
 def test_backward_tiles_fit(kind, cfg, D, ok):
-    """One warp per 16 resident rows; past D = 128 the dK/dV kernel only in two launches."""
+    """One warp per 16 resident rows; past D = 128 the dK/dV kernel only in two launches; the
+    warp-specialized one where its shared memory fits."""
     assert gluon_attention.bwd_tiles_fit(kind, cfg, D) == ok
+
+
+@pytest.mark.parametrize("D, compiled", [(64, 131656), (128, 229960)])
+def test_ws_dkdv_shared_bytes_cover_the_compiled_kernel(D, compiled):
+    """The launcher's count of the warp-specialized dK/dV kernel's shared memory is at least what
+    ptxas gave it (2 slots, v0.9.1's compile check), within 1 KB: an undercount would send a
+    launch the GPU refuses, an overcount turn away tiles that fit.  (It once counted two of the
+    four P / dS tiles.)"""
+    cfg = TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True)
+    assert 0 <= gluon_attention.ws_dkdv_shared_bytes(cfg, D) - compiled <= 1024
 
 
 def test_scope_of_packed_calls_reads_the_longest_sequence():

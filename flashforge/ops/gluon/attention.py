@@ -81,9 +81,9 @@ def ws_shared_bytes(cfg, D: int, resident: int = 1) -> int:
 
 
 def ws_dkdv_shared_bytes(cfg, D: int) -> int:
-    """The warp-specialized dK/dV kernel's: both consumers' K and V, the Q / dO ring, both dS^T
-    tiles (16-bit) and both dQ buffers (float32), 1 KB more."""
-    return 2 * (4 * 64 * D + 2 * max(2, cfg.num_stages) * 64 * D + 2 * 64 * 64) + 2 * 64 * D * 4 + 1024
+    """The warp-specialized dK/dV kernel's: both consumers' K and V, the Q / dO ring, both P and
+    dS tiles (16-bit) and both dQ buffers (float32), 1 KB more."""
+    return 2 * (4 * 64 * D + 2 * max(2, cfg.num_stages) * 64 * D + 4 * 64 * 64) + 2 * 64 * D * 4 + 1024
 
 
 # the warp-specialized forward's register split (setmaxnreg): 240 for each consumer warpgroup,
