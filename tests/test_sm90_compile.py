@@ -19,11 +19,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_kernel_variant_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, str(ROOT / "tools" / "sm90_compile_check.py")], env=env,
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "sm90_compile_check.py"), "--wgmma"], env=env,
                          capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.rstrip().endswith("0 failed"), run.stdout[-2000:]
     assert "wgmma" in run.stdout, "bf16 kernels should use Hopper's warpgroup MMA"
+    # no Gluon kernel has ptxas run its warpgroup MMAs one at a time (a kernel that did would run
+    # at a fraction of its tiles' speed, with nothing else to show for it)
+    assert "wgmma=ok" in run.stdout
+    serialized = [line for line in run.stdout.splitlines() if "wgmma=SERIALIZED" in line]
+    assert not serialized, "\n".join(serialized[:10])
 
 
 def test_table_for_other_gpus_fits_their_shared_memory():

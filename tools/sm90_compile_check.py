@@ -118,6 +118,8 @@ def compile_all(log, found=None):
             ptx = kernel.asm["ptx"]
             mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "fma"
             res = _resources(kernel.asm["cubin"])
+            if WGMMA_CHECK and mma == "wgmma" and source is GluonASTSource:
+                res += " " + _wgmma_serialized(ptx)
             print(f"ok   {fn.__name__:28s} {time.perf_counter() - t0:5.1f}s {mma:5s} "
                   f"smem={kernel.metadata.shared:6d} {res} {_flags(consts)}", flush=True)
             if found is not None:
@@ -128,6 +130,29 @@ def compile_all(log, found=None):
             failures.append((fn.__name__, consts, e))
             print(f"FAIL {fn.__name__}: {type(e).__name__}: {str(e)[:2000]}\n      {_flags(consts)}", flush=True)
     return failures
+
+
+WGMMA_CHECK = False  # --wgmma: ask ptxas, for each Gluon kernel, whether it serialized the wgmma pipeline
+
+
+def _wgmma_serialized(ptx: str) -> str:
+    """"wgmma=ok", or "wgmma=SERIALIZED(<ptxas's reason>)": ptxas runs a kernel's warpgroup MMAs
+    one at a time (each waited on before the next) where it cannot keep their registers (the
+    accumulators, a register A operand) live, or where a register operand is redefined before its
+    product retires.  Triton keeps ptxas's notes to itself, so the PTX goes through ptxas again.
+    (The keys-by-queries dK/dV consumer was serialized until its wait named its register operands.)"""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        try:
+            out = subprocess.run([tool, f"-arch=sm_{TARGET.arch}a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True, check=True).stderr
+        except (OSError, subprocess.CalledProcessError):
+            return "wgmma=?"
+    why = re.search(r"wgmma.mma_async instructions are serialized due to (.*?) for the function", out)
+    return f"wgmma=SERIALIZED({why.group(1)})" if why else "wgmma=ok"
 
 
 def _resources(cubin: bytes) -> str:
@@ -379,10 +404,14 @@ def main():
     global TARGET, SMEM_LIMIT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the common variants")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="also ask ptxas whether each Gluon kernel's warpgroup MMAs run serialized (slower)")
     ap.add_argument("--arch", default="90",
                     help="comma-separated compute capabilities, e.g. 90,80,89 (default 90); each "
                          "compiles the variants its own tile table produces, against its shared-memory limit")
     args = ap.parse_args()
+    global WGMMA_CHECK
+    WGMMA_CHECK = args.wgmma
     failures = []
     for arch in (int(a) for a in args.arch.split(",")):
         if arch not in SMEM_LIMITS:
