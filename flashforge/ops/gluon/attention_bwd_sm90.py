@@ -113,9 +113,11 @@ def _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps: gl.constexpr):
 def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale, scale, softcap, SL,
               stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
               HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr,
-              HAS_LO: gl.constexpr, FUSE: gl.constexpr = False):
+              HAS_LO: gl.constexpr, FUSE: gl.constexpr = False, Sk=0, SK_MASK: gl.constexpr = False):
     """P^T and dS^T ([keys, queries], float32) of flattened tile t from S^T and dP^T; row_b is
-    where the sequence's rows start in lse / delta, less head 0's (b * stride_lb + q_start)."""
+    where the sequence's rows start in lse / delta, less head 0's (b * stride_lb + q_start).
+    SK_MASK: a masked tile also masks keys from Sk on (zero-filled: where lse is far below 0
+    their P^T, exp2(-lse), overflows, and a fused dQ_t = dS K would take inf * 0)."""
     g = t // n_mt
     m0 = (mt_lo + t - g * n_mt) * BLOCK_M
     h = hk * group + g
@@ -136,6 +138,8 @@ def _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, off
             x = gl.where(o_n[:, None] <= o_m[None, :] + offset, x, float("-inf"))
         if HAS_WL:
             x = gl.where(o_n[:, None] >= o_m[None, :] + (offset - span), x, float("-inf"))
+        if SK_MASK:
+            x = gl.where(o_n[:, None] < Sk, x, float("-inf"))
     if HAS_LO:
         x = x - lo[None, :]
     pt = gl.exp2(x)
@@ -161,9 +165,11 @@ def _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M: gl.conste
 def _tile_grads(st, dpt, t, n_mt, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span,
                 qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s: gl.constexpr,
                 CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr = False):
+                BLOCK_M: gl.constexpr, HAS_LO: gl.constexpr, FUSE: gl.constexpr = False, Sk=0,
+                SK_MASK: gl.constexpr = False):
     """P^T and dS^T of flattened tile t: with the mask on the first n_masked query tiles of each head
-    (the causal diagonal) and, with a window's left side, on those from n_lfull on."""
+    (the causal diagonal) and, with a window's left side, on those from n_lfull on (SK_MASK: the
+    masked tiles also mask keys from Sk on, `_dst_tile`)."""
     if HAS_WL:
         edge = (t % n_mt < n_masked) | (t % n_mt >= n_lfull)
     else:
@@ -171,7 +177,7 @@ def _tile_grads(st, dpt, t, n_mt, n_masked, n_lfull, mt_lo, hk, group, row_b, st
     if edge:
         pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale,
                             scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL,
-                            HAS_SOFTCAP, HAS_ALIBI, True, BLOCK_M, HAS_LO, FUSE=FUSE)
+                            HAS_SOFTCAP, HAS_ALIBI, True, BLOCK_M, HAS_LO, FUSE=FUSE, Sk=Sk, SK_MASK=SK_MASK)
     else:
         pt, dst = _dst_tile(st, dpt, t, n_mt, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span, qk_scale,
                             scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL,
@@ -235,7 +241,7 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
                 HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, op_layout: gl.constexpr, dtype: gl.constexpr,
                 BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr, VARLEN: gl.constexpr,
                 HAS_LO: gl.constexpr, FUSE: gl.constexpr, ds_smem, dq_desc, dq_smem, dq_layout: gl.constexpr,
-                FUSED_DQ: gl.constexpr, DQ_N: gl.constexpr):
+                FUSED_DQ: gl.constexpr, DQ_N: gl.constexpr, Sk=0):
     """dK, dV (float32, unscaled) over the T > 0 flattened query tiles: the kernel's main loop.
     FUSED_DQ: each tile's dS^T goes through `ds_smem`, the A operand of dK's product and of
     dQ_t = dS K, which `_dq_out` adds into dQ once the tile's products are retired."""
@@ -244,7 +250,8 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
     st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
     pt, dst = _tile_grads(st, dpt, 0, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset,
                           span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL,
-                          HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE)
+                          HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE, Sk=Sk,
+                              SK_MASK=FUSED_DQ)
     if PIPE and FUSED_DQ:
         # as below, with dS^T staged in shared memory (two slots: tile t's is written while tile
         # t-1's products still read the other) and dQ_t, in two column parts, handed to the copy
@@ -267,7 +274,8 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
             pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh,
                                           Sq, o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
                                           LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M,
-                                          HAS_LO, FUSE=FUSE)
+                                          HAS_LO, FUSE=FUSE, Sk=Sk,
+                              SK_MASK=FUSED_DQ)
             _stage_ds(dst_new, ds_smem.index(t % 2), dtype)
             pt_new = gl.convert_layout(pt_new.to(dtype), op_layout)
             dv, dk, dq0, dq1, pt = warpgroup_mma_wait(0, deps=(dv, dk, dq0, dq1, pt))
@@ -304,7 +312,8 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
             pt_new, dst_new = _tile_grads(st, dpt, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh,
                                           Sq, o_n, offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
                                           LSE, LSE_LO, DELTA, col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M,
-                                          HAS_LO, FUSE=FUSE)
+                                          HAS_LO, FUSE=FUSE, Sk=Sk,
+                              SK_MASK=FUSED_DQ)
             dv, dk, pt, dst = warpgroup_mma_wait(0, deps=(dv, dk, pt, dst))
             # tile t-1's slot is free
             _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
@@ -327,7 +336,8 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
             pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
                                   offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA,
-                                  col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE)
+                                  col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE, Sk=Sk,
+                              SK_MASK=FUSED_DQ)
             dv, dk = _serial_products(pt, dst, dv, dk, t, ds, k_t, q_ring, do_ring, bars, q_desc, do_desc, T,
                                       n_mt_div, mt_lo, b, hk, group, q_start, Sq, dq_desc, dq_smem, scale, op_layout,
                                       dq_layout, dtype, BLOCK_M, D, STAGES, VARLEN, DQ_N)
@@ -346,7 +356,8 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
                       q_start, Sq, BLOCK_M, STAGES, VARLEN)
             pt, dst = _tile_grads(st, dpt, t, n_mt_div, n_masked, n_lfull, mt_lo, hk, group, row_b, stride_lh, Sq, o_n,
                                   offset, span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA,
-                                  col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE)
+                                  col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE, Sk=Sk,
+                              SK_MASK=FUSED_DQ)
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), slot(do_ring, t, BLOCK_M, D, STAGES),
                                dv, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), slot(q_ring, t, BLOCK_M, D, STAGES),
@@ -506,6 +517,9 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
 
     # the query tiles that see these keys, and which of them need a mask (`query_window`)
     mt_lo, n_mt, n_masked, n_lfull = query_window(n0, Sq, Sk, offset, span, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL)
+    if FUSED_DQ:  # a block whose keys cross Sk masks every tile there (`_dst_tile`'s SK_MASK)
+        if n0 + BLOCK_N > Sk:
+            n_masked = n_mt
     T = n_mt * group  # flattened: (head of the group, query tile)
     n_mt_div = gl.maximum(n_mt, 1)
 
@@ -564,7 +578,7 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
                                  n_masked, n_lfull, mt_lo, b, hk, group, q_start, row_b, stride_lh, Sq, o_n, offset,
                                  span, qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s,
                                  CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, op_layout, dtype, BLOCK_M, D, STAGES, PIPE,
-                                 VARLEN, USE_LO, FUSE, ds_smem, dq_desc, dq_smem, dq_layout, FUSED_DQ, DQ_N)
+                                 VARLEN, USE_LO, FUSE, ds_smem, dq_desc, dq_smem, dq_layout, FUSED_DQ, DQ_N, Sk=Sk)
     else:
         acc = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
         v_t = k_t if PART == 1 else v_smem.reshape([BLOCK_N, D])  # (PART 1 never reads it)
