@@ -401,7 +401,7 @@ WS_VARIANTS = {
 
 
 def main():
-    global TARGET, SMEM_LIMIT
+    global TARGET, SMEM_LIMIT, WGMMA_CHECK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the common variants")
     ap.add_argument("--wgmma", action="store_true",
@@ -410,7 +410,6 @@ def main():
                     help="comma-separated compute capabilities, e.g. 90,80,89 (default 90); each "
                          "compiles the variants its own tile table produces, against its shared-memory limit")
     args = ap.parse_args()
-    global WGMMA_CHECK
     WGMMA_CHECK = args.wgmma
     failures = []
     for arch in (int(a) for a in args.arch.split(",")):

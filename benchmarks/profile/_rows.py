@@ -1,6 +1,6 @@
 """What the one-process GPU A/B scripts of this folder share (modifiers_gpu.py, fused_dq_gpu.py,
 ws_fwd_gpu.py, ws_dq_gpu.py): their command line, the row loop, a row's inputs, forced tiles,
-the training-step timings, the agreement measure of two sets of outputs and the JSON / check at
+the training-step timings and rates, the agreement measure of two sets of outputs and the JSON / check at
 the end."""
 from __future__ import annotations
 
@@ -75,6 +75,13 @@ def training_times(leaves, do, kw):
         torch.autograd.grad(flashforge.attention(*leaves, **kw), leaves, do)
 
     return grads, ms_b, triton.testing.do_bench(step, return_mode="median")
+
+
+def training_rates(fwd_flops: float, ms_b: float, ms_fb: float, grads, base) -> dict:
+    """A variant's row entry: backward and forward+backward TFLOP/s (flash-attn's count: the
+    backward 2.5 forwards) and its gradients' `rel_diff` to the base variant's."""
+    return {"bwd": 2.5 * fwd_flops / ms_b / 1e9, "fwdbwd": 3.5 * fwd_flops / ms_fb / 1e9,
+            "rel_diff": rel_diff(grads, base)}
 
 
 def finish(rows, args, what: str, limit: float = 2e-2) -> None:

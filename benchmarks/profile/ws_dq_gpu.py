@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from flashforge.benchmark.flops import visible_pairs
 from flashforge.ops.triton import configs
-from _rows import finish, only, rel_diff, row_inputs, run_rows, tiles, training_times
+from _rows import finish, only, row_inputs, run_rows, tiles, training_rates, training_times
 
 TC = configs.TileConfig
 # (label, S, D, causal, window, Hkv divisor)
@@ -40,8 +40,7 @@ def run_row(label, S, D, causal, window, gdiv):
     for name, cfg in [("table", None)] + list(VARIANTS.items()):
         with tiles("bwd_q", D, cfg):
             grads[name], ms_b, ms_fb = training_times(leaves, do, kw)
-        out["variants"][name] = {"bwd": 2.5 * fwd_flops / ms_b / 1e9, "fwdbwd": 3.5 * fwd_flops / ms_fb / 1e9,
-                                 "rel_diff": rel_diff(grads[name], grads["table"])}
+        out["variants"][name] = training_rates(fwd_flops, ms_b, ms_fb, grads[name], grads["table"])
     return out
 
 

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attention_bwd_sm90 import _lo_needed, _row_stats, p_and_ds
 from .ws_pipeline import HALF
-from .pipeline import copy_in, copy_out, query_window, reduce_out, sequence, slot, wait
+from .pipeline import copy_out, copy_pair, key_block, query_window, reduce_out, slot, wait
 from .rounding import fused_score
 
 
@@ -177,20 +177,14 @@ def _kv_loader(q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_sme
                STAGES: gl.constexpr, VARLEN: gl.constexpr):
     """Each half's K and V, then the block's query tiles (Q and dO together), each into the ring's
     next slot once both consumers have released it (empty barriers start complete)."""
-    mbarrier.expect(kv_bars.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    copy_in(k_desc, b, n0, hk, k_start, Sk, kv_bars.index(0), k_smem0, True, VARLEN)
-    copy_in(v_desc, b, n0, hk, k_start, Sk, kv_bars.index(0), v_smem0, True, VARLEN)
-    mbarrier.expect(kv_bars.index(1), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    copy_in(k_desc, b, n0 + HALF, hk, k_start, Sk, kv_bars.index(1), k_smem1, True, VARLEN)
-    copy_in(v_desc, b, n0 + HALF, hk, k_start, Sk, kv_bars.index(1), v_smem1, True, VARLEN)
+    copy_pair(k_desc, v_desc, b, n0, hk, k_start, Sk, kv_bars.index(0), k_smem0, v_smem0, VARLEN)
+    copy_pair(k_desc, v_desc, b, n0 + HALF, hk, k_start, Sk, kv_bars.index(1), k_smem1, v_smem1, VARLEN)
     n_mt_div = gl.maximum(n_mt, 1)
     for t in range(T):
         s = t % STAGES
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
         m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
-        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        copy_in(q_desc, b, m, h, q_start, Sq, ready.index(s), q_ring.index(s), True, VARLEN)
-        copy_in(do_desc, b, m, h, q_start, Sq, ready.index(s), do_ring.index(s), True, VARLEN)
+        copy_pair(q_desc, do_desc, b, m, h, q_start, Sq, ready.index(s), q_ring.index(s), do_ring.index(s), VARLEN)
 
 
 @gluon.jit
@@ -235,15 +229,9 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
     dtype: gl.constexpr = q_desc.dtype
     DQ_N: gl.constexpr = dq_desc.block_type.shape[len(dq_desc.block_type.shape) - 1]
     BLOCK_N: gl.constexpr = 2 * HALF
-    pid = gl.program_id(0)
-    bh = gl.program_id(1)
-    Hkv = Hq // group
-    b = bh // Hkv
-    hk = bh % Hkv
-    n0 = pid * BLOCK_N
-    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
-                                                   bottom_right, VARLEN)
-    row_b = b.to(gl.int64) * stride_lb + q_start
+    bh, b, hk, n0, q_start, Sq, k_start, Sk, offset, row_b = key_block(CU_Q, CU_K, ORDER, Hq, group, Sq, Sk, total_q,
+                                                                       total_k, offset, bottom_right, stride_lb,
+                                                                       BLOCK_N, VARLEN)
     SL = SLOPES + b * stride_sb
     alibi_off = offset - right
 
@@ -262,7 +250,7 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
                 far = gl.load(FAR + bh) != 0
             else:
                 far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
-                if pid == 0:
+                if n0 == 0:  # (the first key block)
                     gl.store(FAR + bh, far.to(gl.int32))
             if far:  # the second launch computes this block; here its dK, dV are zeros
                 T = 0

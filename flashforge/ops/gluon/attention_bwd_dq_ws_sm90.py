@@ -18,10 +18,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .attention_bwd_sm90 import _lse2, delta_rows, ds_tile_at, lo_rows
-from .pipeline import copy_in, copy_out, slot, wait
+from .pipeline import copy_out, copy_pair, slot, wait
 from .rounding import fused_score
-from .ws_pipeline import (HALF, consumer_tiles, fill, init_ws_barriers, release_tiles, turn_pass, turn_wait,
-                          ws_program)
+from .ws_pipeline import (HALF, consumer_tiles, fill, release_tiles, turn_pass, turn_wait, ws_program,
+                          ws_rings)
 
 
 @gluon.jit
@@ -149,12 +149,8 @@ def _dq_loader(q_desc, k_desc, v_desc, do_desc, q_smem0, q_smem1, do_smem0, do_s
                k_empty, v_ready, v_empty, b, h, hk, m0, q_start, Sq, k_start, Sk, u_lo, u_tiles,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr):
     """Both halves' Q and dO, then the union's key tiles, K_r then V_r (both read at tile r)."""
-    mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    copy_in(q_desc, b, m0, h, q_start, Sq, q_bars.index(0), q_smem0, True, VARLEN)
-    copy_in(do_desc, b, m0, h, q_start, Sq, q_bars.index(0), do_smem0, True, VARLEN)
-    mbarrier.expect(q_bars.index(1), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    copy_in(q_desc, b, m0 + HALF, h, q_start, Sq, q_bars.index(1), q_smem1, True, VARLEN)
-    copy_in(do_desc, b, m0 + HALF, h, q_start, Sq, q_bars.index(1), do_smem1, True, VARLEN)
+    copy_pair(q_desc, do_desc, b, m0, h, q_start, Sq, q_bars.index(0), q_smem0, do_smem0, VARLEN)
+    copy_pair(q_desc, do_desc, b, m0 + HALF, h, q_start, Sq, q_bars.index(1), q_smem1, do_smem1, VARLEN)
     for r in range(0, u_tiles):
         fill(k_desc, k_ring, k_ready, k_empty, r, (u_lo + r) * BLOCK_N, b, hk, k_start, Sk, STAGES, VARLEN)
         fill(v_desc, v_ring, v_ready, v_empty, r, (u_lo + r) * BLOCK_N, b, hk, k_start, Sk, V_STAGES, VARLEN)
@@ -182,15 +178,8 @@ def attn_bwd_dq_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LS
     q_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem0 = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
     do_smem1 = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    init_ws_barriers(q_bars, turn, k_ready, k_empty, v_ready, v_empty, STAGES, V_STAGES, PINGPONG)
+    k_ring, v_ring, q_bars, turn, k_ready, k_empty, v_ready, v_empty = ws_rings(k_desc, v_desc, STAGES, V_STAGES,
+                                                                                PINGPONG)
 
     gl.warp_specialize([
         (_dq_consumer, (dq_desc, LSE, LSE_LO, DELTA, far_at, O, DLSE, stride_ob, stride_os, stride_oh, q_smem0,

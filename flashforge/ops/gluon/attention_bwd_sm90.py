@@ -46,8 +46,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_block,
-                       query_window, reduce_out, sequence, slot, visible, wait)
+from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_block, key_window, load_rows,
+                       query_program, query_window, reduce_out, slot, visible, wait)
 from .rounding import LOG2E, exponent, fused_score, mul_rn
 from .scores import modified_score
 
@@ -488,15 +488,9 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     kernel wrote it)."""
     dtype: gl.constexpr = q_desc.dtype
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)  # (rounding.py)
-    pid = gl.program_id(0)  # causal: the first key blocks see the most queries, so run first
-    bh = gl.program_id(1)
-    Hkv = Hq // group
-    b = bh // Hkv
-    hk = bh % Hkv
-    n0 = pid * BLOCK_N
-    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
-                                                   bottom_right, VARLEN)
-    row_b = b.to(gl.int64) * stride_lb + q_start  # lse / delta rows of this sequence (head 0)
+    bh, b, hk, n0, q_start, Sq, k_start, Sk, offset, row_b = key_block(CU_Q, CU_K, ORDER, Hq, group, Sq, Sk, total_q,
+                                                                       total_k, offset, bottom_right, stride_lb,
+                                                                       BLOCK_N, VARLEN)
     SL = SLOPES + b * stride_sb  # ALiBi: this sequence's slopes (read per head, `_dst_tile`)
     alibi_off = offset - right  # (the forward's)
 
@@ -557,7 +551,7 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
             far = gl.load(FAR + bh) != 0
         else:
             far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
-            if pid == 0:
+            if n0 == 0:  # (the first key block)
                 gl.store(FAR + bh, far.to(gl.int32))
         if far:  # the second launch computes this block; its dK, dV here are zeros
             for i in gl.static_range(STAGES):
@@ -757,15 +751,10 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
     kernel's first launch would otherwise scan the group's lse for (`_lo_needed`)."""
     dtype: gl.constexpr = q_desc.dtype
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)  # (rounding.py)
-    b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
-    far_at = FAR + b * (Hq // group) + hk  # the dK/dV kernel's program_id(1), before `sequence` maps b
-    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
-                                                   bottom_right, VARLEN)
-    alibi_off = offset - right  # (the forward's)
-    if HAS_ALIBI:
-        slope = gl.load(SLOPES + b * stride_sb + h * stride_sh)
-    else:
-        slope = 0.0
+    kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope = query_program(
+        Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, right, SLOPES, stride_sb,
+        stride_sh, BLOCK_M, CAUSAL, HAS_ALIBI, VARLEN)
+    far_at = FAR + kv_row  # the dK/dV kernel's program_id(1)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])

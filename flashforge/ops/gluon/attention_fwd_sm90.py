@@ -31,8 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_block,
-                       sequence, slot, visible, wait)
+from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_program,
+                       slot, visible, wait)
 from .rounding import LN2, LOG2E, exponent, fused_score, mul_rn
 from .scores import modified_score
 
@@ -115,15 +115,9 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
     # forms them (ALiBi: SLOPES[b * stride_sb + h * stride_sh], at distances from offset - right)
     dtype: gl.constexpr = q_desc.dtype
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)  # (rounding.py)
-    b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
-    # packed: this sequence's rows and lengths (Sq, Sk, offset become its own)
-    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
-                                                   bottom_right, VARLEN)
-    alibi_off = offset - right
-    if HAS_ALIBI:
-        slope = gl.load(SLOPES + b * stride_sb + h * stride_sh)
-    else:
-        slope = 0.0
+    _, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope = query_program(
+        Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, right, SLOPES, stride_sb,
+        stride_sh, BLOCK_M, CAUSAL, HAS_ALIBI, VARLEN)
 
     # one warp per 16 rows (a warpgroup per 64); the MMA's N is the whole tile
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],

@@ -28,8 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .attention_fwd_sm90 import finish_rows, softmax_tile
 from .pipeline import copy_in, copy_out, slot, wait
 from .rounding import fused_score
-from .ws_pipeline import (HALF, consumer_tiles, fill, init_ws_barriers, release_tiles, turn_pass, turn_wait,
-                          ws_program)
+from .ws_pipeline import (HALF, consumer_tiles, fill, release_tiles, turn_pass, turn_wait, ws_program,
+                          ws_rings)
 
 
 @gluon.jit
@@ -156,15 +156,8 @@ def attn_fwd_ws_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_
 
     q_smem0 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     q_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    init_ws_barriers(q_bars, turn, k_ready, k_empty, v_ready, v_empty, STAGES, V_STAGES, PINGPONG)
+    k_ring, v_ring, q_bars, turn, k_ready, k_empty, v_ready, v_empty = ws_rings(k_desc, v_desc, STAGES, V_STAGES,
+                                                                                PINGPONG)
 
     gl.warp_specialize([
         (_consumer, (o_desc, LSE, LSE_LO, q_smem0, k_ring, v_ring, q_bars.index(0), k_ready, k_empty, v_ready,

@@ -33,6 +33,15 @@ def copy_in(desc, b, row, h, start, length, bar, dst, pred, VARLEN: gl.constexpr
 
 
 @gluon.jit
+def copy_pair(desc0, desc1, b, row, h, start, length, bar, dst0, dst1, VARLEN: gl.constexpr):
+    """`copy_in` of the same rows through two descriptors (Q and dO, or K and V) onto one barrier,
+    which then expects both boxes' bytes."""
+    mbarrier.expect(bar, desc0.block_type.nbytes + desc1.block_type.nbytes)
+    copy_in(desc0, b, row, h, start, length, bar, dst0, True, VARLEN)
+    copy_in(desc1, b, row, h, start, length, bar, dst1, True, VARLEN)
+
+
+@gluon.jit
 def copy_out(desc, b, row, h, start, length, src, VARLEN: gl.constexpr):
     """src into rows [row, row + box) of copy_in's addressing; rows past the end are not written."""
     if VARLEN:
@@ -104,6 +113,24 @@ def sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset, bottom_righ
     return b, q_start, Sq, k_start, Sk, offset
 
 
+
+@gluon.jit
+def key_block(CU_Q, CU_K, ORDER, Hq, group, Sq, Sk, total_q, total_k, offset, bottom_right, stride_lb,
+              BLOCK_N: gl.constexpr, VARLEN: gl.constexpr):
+    """(bh, b, hk, n0, q_start, Sq, k_start, Sk, offset, row_b) of a dK/dV program: grid
+    (key blocks, B * Hkv), program_id(0) the key block (causal: the first key blocks see the most
+    queries, so they run first), keys [n0, n0 + BLOCK_N) of KV head hk; `sequence` maps b and the
+    lengths (packed); row_b is where the sequence's lse / delta rows start (head 0's)."""
+    bh = gl.program_id(1)
+    Hkv = Hq // group
+    b = bh // Hkv
+    hk = bh % Hkv
+    n0 = gl.program_id(0) * BLOCK_N
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
+                                                   bottom_right, VARLEN)
+    row_b = b.to(gl.int64) * stride_lb + q_start
+    return bh, b, hk, n0, q_start, Sq, k_start, Sk, offset, row_b
+
 @gluon.jit
 def slot(ring, j, ROWS: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """Slot j % STAGES of a [STAGES, 1, ROWS, 1, D] ring, as the [ROWS, D] matrix an MMA reads."""
@@ -141,6 +168,27 @@ def query_block(Sq, Hq, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
     h = bh % Hq
     return b, h, h // group, pid * BLOCK_M
 
+
+
+@gluon.jit
+def query_program(Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, right, SLOPES,
+                  stride_sb, stride_sh, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                  VARLEN: gl.constexpr):
+    """(kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope) of a program over
+    query rows (the forward's, the dQ kernel's): `query_block`, then `sequence` (packed: this
+    sequence's rows and lengths; Sq, Sk, offset become its own); kv_row is the dK/dV kernel's
+    program_id(1) of this (b, hk), before `sequence` maps b; ALiBi's slope of head h and the
+    distance offset (`scores.modified_score`)."""
+    b, h, hk, m0 = query_block(Sq, Hq, group, BLOCK_M, CAUSAL)
+    kv_row = b * (Hq // group) + hk
+    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
+                                                   bottom_right, VARLEN)
+    alibi_off = offset - right
+    if HAS_ALIBI:
+        slope = gl.load(SLOPES + b * stride_sb + h * stride_sh)
+    else:
+        slope = 0.0
+    return kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope
 
 @gluon.jit
 def key_tiles(m0, Sq, Sk, offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):

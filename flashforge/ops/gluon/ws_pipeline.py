@@ -10,7 +10,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .pipeline import copy_in, key_window, query_block, sequence, wait
+from .pipeline import copy_in, key_window, query_program, wait
 
 HALF = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma tall)
 
@@ -24,15 +24,9 @@ def ws_program(Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, b
     use them; kv_row, the dK/dV kernel's program row of this (b, hk) before `sequence` maps b;
     the union of both halves' key tiles [u_lo, u_lo + u_tiles); row, where this head's lse rows
     start."""
-    b, h, hk, m0 = query_block(Sq, Hq, group, 2 * HALF, CAUSAL)
-    kv_row = b * (Hq // group) + hk
-    b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
-                                                   bottom_right, VARLEN)
-    alibi_off = offset - right
-    if HAS_ALIBI:
-        slope = gl.load(SLOPES + b * stride_sb + h * stride_sh)
-    else:
-        slope = 0.0
+    kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope = query_program(
+        Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, right, SLOPES, stride_sb,
+        stride_sh, 2 * HALF, CAUSAL, HAS_ALIBI, VARLEN)
     u_lo, u_tiles, _, _ = key_window(m0, Sq, Sk, offset, span, 2 * HALF, BLOCK_N, CAUSAL, HAS_WL)
     u_tiles = gl.maximum(u_tiles, 0)
     row = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
@@ -40,9 +34,19 @@ def ws_program(Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, b
 
 
 @gluon.jit
-def init_ws_barriers(q_bars, turn, k_ready, k_empty, v_ready, v_empty, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-                     PINGPONG: gl.constexpr):
-    """One count for the copy engine's barriers and the turns, two (both consumers) for the empty ones."""
+def ws_rings(k_desc, v_desc, STAGES: gl.constexpr, V_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """(k_ring, v_ring, q_bars, turn, k_ready, k_empty, v_ready, v_empty): the K and V rings in
+    shared memory and the program's barriers, initialized: one count for the copy engine's
+    barriers and the turns, two (both consumers) for the empty ones."""
+    dtype: gl.constexpr = k_desc.dtype
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
@@ -55,6 +59,7 @@ def init_ws_barriers(q_bars, turn, k_ready, k_empty, v_ready, v_empty, STAGES: g
     fence_async_shared()
     if PINGPONG:  # consumer 0 issues first
         mbarrier.arrive(turn.index(0), count=1)
+    return k_ring, v_ring, q_bars, turn, k_ready, k_empty, v_ready, v_empty
 
 
 @gluon.jit
