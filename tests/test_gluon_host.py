@@ -352,3 +352,30 @@ def test_repeat_calls_descriptors_share_a_launch_key(packed):
 
     first, again = keys(), keys()
     assert first is not None and first == again
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_long_backward_takes_the_warp_specialized_kernel(D):
+    """The table's "bwd_kv_ws" entry (the warp-specialized dK/dV kernel, dQ fused) serves a
+    backward from its min_keys keys on; shorter calls and deterministic ones keep the ordered
+    pair's Gluon tiles, not the portable kernel; a "bwd_kv" override (a sweep's) is taken as it is."""
+    from flashforge.ops.triton import attention as launchers
+    from flashforge.ops.triton import configs
+    ws = configs.gluon_config(D, 2, False, (9, 0), "bwd_kv_ws")
+    pair = configs.gluon_config(D, 2, False, (9, 0), "bwd_kv")
+    assert ws is not None and ws.consumers == 2 and ws.fused_dq and ws.shared_dq and ws.min_keys > 0
+    assert pair is not None and pair.consumers == 1
+    cfg_kv = configs.get_config("bwd_kv", D, 2, False, arch=(9, 0))
+    cfg_q = configs.get_config("bwd_q", D, 2, False, arch=(9, 0))
+    for S, det, want in ((ws.min_keys, False, ws), (ws.min_keys - 64, False, pair), (ws.min_keys, True, pair)):
+        q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
+        lse = torch.empty(1, 2, S)
+        g_kv, g_q = launchers._gluon_backward(q, q, q, q, lse, None, _params(deterministic=det), cfg_kv, cfg_q,
+                                              (9, 0), None)
+        assert g_kv == want, (S, det, g_kv)
+        assert g_q == configs.gluon_config(D, 2, False, (9, 0), "bwd_q")
+    forced = TileConfig(64, 64, 4, 3, gluon=True)
+    q = torch.empty(1, ws.min_keys, 2, D, dtype=torch.bfloat16)
+    g_kv, _ = launchers._gluon_backward(q, q, q, q, torch.empty(1, 2, ws.min_keys), None, _params(), forced, cfg_q,
+                                        (9, 0), None)
+    assert g_kv == forced

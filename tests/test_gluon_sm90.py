@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flashforge
+from flashforge import reference
 from flashforge.ops.gluon import attention as gluon_attention
 from flashforge.ops.params import AttnParams
 from flashforge.ops.triton import configs
@@ -69,6 +70,8 @@ CASES = [
     case("Sq64-Sk1", BF16, B=2, Sq=64, Sk=1, Hq=2, Hkv=2, D=64),
     case("bhsd-D64-causal", BF16, B=2, Sq=513, Sk=513, Hq=4, Hkv=2, D=64, causal=True, layout="bhsd"),
     case("sharp-softmax", F16, B=1, Sq=384, Sk=640, Hq=2, Hkv=2, D=128, input_scale=4.0),
+    # one query tile a key block (the WS kernels' turn-taking: a single, odd tile)
+    case("Sq64-Sk333-one-query-tile", BF16, B=2, Sq=64, Sk=333, Hq=2, Hkv=2, D=64),
 ]
 
 
@@ -286,6 +289,11 @@ BWD_VARIANTS = {
     # reduce-adds; deterministic=True: the portable dK/dV kernel and the table's dQ kernel)
     "kv-ws-fused-s2": (TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True), TC(64, 64, 4, 3, gluon=True)),
     "kv-ws-fused-s3": (TC(64, 128, 4, 3, gluon=True, consumers=2, fused_dq=True), TC(64, 64, 4, 3, gluon=True)),
+    # ... with one dQ product over all 128 keys a query tile, the consumers taking turns (shared_dq)
+    "kv-ws-fused-shared-s2": (TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True),
+                              TC(64, 64, 4, 3, gluon=True)),
+    "kv-ws-fused-shared-s3": (TC(64, 128, 4, 3, gluon=True, consumers=2, fused_dq=True, shared_dq=True),
+                              TC(64, 64, 4, 3, gluon=True)),
 }
 
 
@@ -327,6 +335,8 @@ BWD_CASES = [
     case("Sq200-Sk50-one-partial-tile", F16, B=3, Sq=200, Sk=50, Hq=2, Hkv=1, D=128),
     case("Sq130-Sk1000-offset", BF16, B=1, Sq=130, Sk=1000, Hq=2, Hkv=2, D=64, causal=True, causal_offset=100),
     case("sharp-softmax", F16, B=1, Sq=384, Sk=640, Hq=2, Hkv=2, D=128, input_scale=4.0),
+    # one query tile a key block (the WS kernels' turn-taking: a single, odd tile)
+    case("Sq64-Sk333-one-query-tile", BF16, B=2, Sq=64, Sk=333, Hq=2, Hkv=2, D=64),
 ]
 
 
@@ -381,6 +391,26 @@ def test_deterministic_backward_is_bitwise_and_unfused(c, dtype, gluon_bwd_calls
     again = check_case(c, "triton", device="cuda", dtype=dtype, deterministic=True)
     for name in ("dq", "dk", "dv"):
         assert torch.equal(first[name], again[name]), f"{name} differs between two deterministic runs"
+
+
+@pytest.mark.parametrize("c, dtype", [BWD_CASES[1], BWD_CASES[2], BWD_CASES[8]])
+def test_table_long_backward_takes_the_ws_kernel(c, dtype, monkeypatch):
+    """The table's long-sequence dK/dV entry ("bwd_kv_ws", its min_keys lowered to 0 here so that
+    small cases reach it): the warp-specialized kernel with dQ fused, against the float64
+    reference; deterministic=True keeps the ordered Gluon pair (not the portable kernels)."""
+    from dataclasses import replace
+    bucket = 64 if c.D <= 64 else 128
+    ws = configs.gluon_config(c.D, 2, False, (9, 0), "bwd_kv_ws")
+    configs.set_config("bwd_kv_ws_gluon", bucket, 2, replace(ws, min_keys=0))
+    try:
+        calls = _bwd_spies(monkeypatch)
+        check_case(c, "triton", device="cuda", dtype=dtype)
+        assert calls["fused"] and not calls["bwd_q"], calls
+        fused, calls["bwd_kv"][:] = len(calls["fused"]), []
+        check_case(c, "triton", device="cuda", dtype=dtype, deterministic=True)
+        assert calls["bwd_kv"] and calls["bwd_q"] and len(calls["fused"]) == fused, calls
+    finally:
+        configs.set_config("bwd_kv_ws_gluon", bucket, 2, None)
 
 
 def test_backward_out_of_scope_takes_portable_kernels(gluon_bwd_calls):

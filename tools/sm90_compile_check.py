@@ -286,8 +286,8 @@ def record(quick: bool):
                 run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
                     window_right=0, offset_bottom_right=True)
         # the warp-specialized dK/dV kernel, dQ fused (BWD_VARIANTS "kv-ws-fused-...")
-        for stages in (2, 3):
-            ws_kv = configs.TileConfig(64, 128, 4, stages, gluon=True, consumers=2, fused_dq=True)
+        for stages, shared in ((2, False), (3, False), (2, True), (3, True)):
+            ws_kv = configs.TileConfig(64, 128, 4, stages, gluon=True, consumers=2, fused_dq=True, shared_dq=shared)
             launchers.get_config = lambda kind, d, e, interpret, ws_kv=ws_kv, **kw: (
                 ws_kv if kind == "bwd_kv" else real_get(kind, d, e, False, **kw))
             for D in (64, 128) if gluon_launcher.ws_dkdv_shared_bytes(ws_kv, 128) <= SMEM_LIMIT else (64,):

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from flashforge.ops import launch
 from flashforge.ops.triton import configs
 from _rows import row_inputs, tiles
 
@@ -29,6 +30,7 @@ def main():
                 torch.autograd.grad(o, leaves, do, retain_graph=True)
             torch.cuda.synchronize()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            hits, entries = launch.hits, len(launch._compiled)
             t0 = time.perf_counter()
             e0.record()
             for _ in range(20):
@@ -36,7 +38,12 @@ def main():
             e1.record()
             host = (time.perf_counter() - t0) / 20 * 1e3
             torch.cuda.synchronize()
-            print(f"== {name}: {e0.elapsed_time(e1) / 20:.3f} ms a call on the GPU, host {host:.3f} ms to issue")
+            print(f"== {name}: {e0.elapsed_time(e1) / 20:.3f} ms a call on the GPU, host {host:.3f} ms to issue; "
+                  f"launch cache: {(launch.hits - hits) / 20:.1f} hits a call, {len(launch._compiled) - entries} new entries")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(20):
+                    torch.autograd.grad(o, leaves, do, retain_graph=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(20):
                     torch.autograd.grad(o, leaves, do, retain_graph=True)

@@ -30,17 +30,26 @@ ROWS = [
     ("D128 S4k causal", 4096, 128, True, None, 1),
     ("D128 S16k causal", 16384, 128, True, None, 1),
     ("D128 S16k", 16384, 128, False, None, 1),
+    ("D64 S16k", 16384, 64, False, None, 1),
+    ("D64 S8k causal", 8192, 64, True, None, 1),
+    ("D128 S8k", 8192, 128, False, None, 1),
+    ("D128 S4k causal GQA 4", 4096, 128, True, None, 4),
+    ("D128 S16k causal GQA 4", 16384, 128, True, None, 4),
+    ("D128 S16k causal window 1023", 16384, 128, True, 1023, 1),
 ]
 # the fused dK/dV tiles tried per head dim (name -> config); "ordered" is the table's pair of
 # kernels with deterministic=True
 VARIANTS = {
     64: {"ws 2x64 keys s2": TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True),
          "ws 2x64 keys s3": TC(64, 128, 4, 3, gluon=True, consumers=2, fused_dq=True),
+         "ws shared dq s2": TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True),
+         "ws shared dq s3": TC(64, 128, 4, 3, gluon=True, consumers=2, fused_dq=True, shared_dq=True),
          "64x64 4w overlap s3": TC(64, 64, 4, 3, gluon=True, fused_dq=True),
          "64x128 8w overlap s2": TC(64, 128, 8, 2, gluon=True, fused_dq=True),
          "64x64 4w one-at-a-time s3": TC(64, 64, 4, 3, gluon=True, overlap=False, fused_dq=True),
          "64x128 8w one-at-a-time s3": TC(64, 128, 8, 3, gluon=True, overlap=False, fused_dq=True)},
     128: {"ws 2x64 keys s2": TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True),
+          "ws shared dq s2": TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True),
           "64x64 4w one-at-a-time s2": TC(64, 64, 4, 2, gluon=True, overlap=False, fused_dq=True),
           "64x128 8w one-at-a-time s2": TC(64, 128, 8, 2, gluon=True, overlap=False, fused_dq=True)},
 }

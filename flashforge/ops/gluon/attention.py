@@ -436,7 +436,7 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
             launch(_ws_dkdv_kernel(), grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags,
                    BLOCK_M=cfg.block_m, D=D, STAGES=max(2, cfg.num_stages), VARLEN=params.is_varlen,
                    HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, CONSUMER_REGS=_WS_REGS[0],
-                   LOADER_REGS=_WS_REGS[1], num_warps=4)
+                   LOADER_REGS=_WS_REGS[1], SHARED_DQ=cfg.shared_dq, num_warps=4)
         return dk, dv
     dk_desc = desc(dk, cfg.block_n)
     args = (*(inputs or input_descriptors(q, k, v, do, params, cfg, "bwd_kv")), dk_desc, desc(dv, cfg.block_n), lse,

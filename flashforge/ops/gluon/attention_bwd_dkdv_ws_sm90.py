@@ -50,13 +50,20 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
                  n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
                  ME: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                  HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                 VARLEN: gl.constexpr, USE_LO: gl.constexpr, DQ_N: gl.constexpr, p_smem):
+                 VARLEN: gl.constexpr, USE_LO: gl.constexpr, DQ_N: gl.constexpr, p_smem, k_other, kv_bar_other,
+                 ds_other, ds_ready, ds_free, ds_free_other, SHARED_DQ: gl.constexpr):
     """dK, dV of keys n0 + ME * 64 + [0, 64), and their share of every tile's dQ.
 
     The scores are formed queries by keys (S = Q K^T, as the dQ kernel does), so lse, its low part
     and delta are row vectors of two registers a thread (keys by queries, each was sixteen);
     P and dS go through shared memory, where their transposes are the A operands of
-    dV += P^T dO and dK += dS^T Q, and dS itself that of dQ_t = dS K."""
+    dV += P^T dO and dK += dS^T Q, and dS itself that of dQ_t = dS K.
+
+    SHARED_DQ: tile t's dQ_t is one product over all 128 keys, by consumer t % 2, from both
+    consumers' dS (`ds_ready`: both written) and K; it frees the other's dS (`ds_free_other`), which
+    that consumer waits for before writing its next one.  One float32 buffer and one set of
+    reduce-adds a tile instead of two: the buffer's store and the copy engine's read are half the
+    shared-memory traffic they were (RESULTS.md v0.9.1: the kernel is bound by that traffic)."""
     dtype: gl.constexpr = k_smem.dtype
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -88,6 +95,9 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
     mbarrier.wait(kv_bar, 0)
     k_t = k_smem.reshape([HALF, D])
     v_t = v_smem.reshape([HALF, D])
+    if SHARED_DQ:
+        mbarrier.wait(kv_bar_other, 0)
+        k_o = k_other.reshape([HALF, D])
     for t in range(T):
         wait(ready, t, STAGES)
         q_s = slot(q_ring, t, BLOCK_M, D, STAGES)
@@ -119,35 +129,45 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
         else:
             p, ds = p_and_ds(s, dp, nc, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
                              alibi_off, s_layout, False, CAUSAL, HAS_WL, HALF, USE_LO, FUSE, HAS_SOFTCAP, HAS_ALIBI)
-        p_smem.store(p.to(dtype))
-        ds_smem.store(ds.to(dtype))
-        fence_async_shared()
-        # dQ_t = dS K over these 64 keys, one product D wide (narrower ones would each read dS
-        # again), issued before dV and dK, so it retires first and is stored while those run
-        dq = warpgroup_mma(ds_smem, k_t, dq_zero, use_acc=False, is_async=True)
-        dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
-        dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
-        dq = warpgroup_mma_wait(2, deps=(dq, ))
-        # into this consumer's buffer, once the writer has handed the previous tile's to the copy
-        # engine, in boxes of DQ_N columns (a float32 TMA box is 32 wide): halves of the register
-        # tile, each thread's own registers (no data moves)
-        mbarrier.wait(dq_empty, (t & 1) ^ 1)
-        lo_half, hi_half = (dq * scale).reshape([BLOCK_M, 2, D // 2]).permute(0, 2, 1).split()
-        if NP == 2:
-            dq_smem.index(0).reshape([BLOCK_M, DQ_N]).store(lo_half)
-            dq_smem.index(1).reshape([BLOCK_M, DQ_N]).store(hi_half)
+        if SHARED_DQ:
+            p_smem.store(p.to(dtype))
+            if (t % 2 == ME) & (t > 0):  # the other consumer's dQ of tile t - 1 read this dS
+                mbarrier.wait(ds_free, ((t + ME) // 2 - 1) & 1)
+            ds_smem.store(ds.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(ds_ready, count=1)
+            # (both branches yield dV and dK in flight, as the loop carries them)
+            dv = warpgroup_mma_init(dv)
+            dk = warpgroup_mma_init(dk)
+            if t % 2 == ME:
+                mbarrier.wait(ds_ready, t & 1)
+                dq = warpgroup_mma(ds_smem, k_t, dq_zero, use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds_other, k_o, dq, is_async=True)
+                dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+                dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
+                dq = warpgroup_mma_wait(2, deps=(dq, ))
+                mbarrier.arrive(ds_free_other, count=1)
+                _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t // 2, BLOCK_M, D, DQ_N)
+            else:
+                dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+                dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
         else:
-            q0, q1 = lo_half.reshape([BLOCK_M, 2, DQ_N]).permute(0, 2, 1).split()
-            q2, q3 = hi_half.reshape([BLOCK_M, 2, DQ_N]).permute(0, 2, 1).split()
-            dq_smem.index(0).reshape([BLOCK_M, DQ_N]).store(q0)
-            dq_smem.index(1).reshape([BLOCK_M, DQ_N]).store(q1)
-            dq_smem.index(2).reshape([BLOCK_M, DQ_N]).store(q2)
-            dq_smem.index(3).reshape([BLOCK_M, DQ_N]).store(q3)
-        fence_async_shared()
-        mbarrier.arrive(dq_full, count=1)
+            p_smem.store(p.to(dtype))
+            ds_smem.store(ds.to(dtype))
+            fence_async_shared()
+            # dQ_t = dS K over these 64 keys, one product D wide (narrower ones would each read dS
+            # again), issued before dV and dK, so it retires first and is stored while those run
+            dq = warpgroup_mma(ds_smem, k_t, dq_zero, use_acc=False, is_async=True)
+            dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+            dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
+            dq = warpgroup_mma_wait(2, deps=(dq, ))
+            _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t, BLOCK_M, D, DQ_N)
     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
     if T > 0:
         mbarrier.arrive(empty.index((T - 1) % STAGES), count=1)  # the last tile's Q and dO are read
+    if SHARED_DQ:
+        if (T > 0) & ((T - 1) % 2 != ME):  # K's buffer takes dK: the other's last dQ must have read it
+            mbarrier.wait(ds_free, ((T + ME) // 2 - 1) & 1)
     # dK, dV through K's and V's buffers (read no more) and TMA, which clips rows past Sk
     k_smem.reshape([HALF, D]).store((dk * scale).to(dtype))
     v_smem.reshape([HALF, D]).store(dv.to(dtype))
@@ -158,17 +178,41 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
 
 
 @gluon.jit
+def _store_dq(dq, dq_smem, dq_full, dq_empty, use, BLOCK_M: gl.constexpr, D: gl.constexpr, DQ_N: gl.constexpr):
+    """A tile's dQ_t (scaled) into this consumer's buffer, its `use`-th, once the writer has handed
+    the previous one to the copy engine, in boxes of DQ_N columns (a float32 TMA box is 32 wide):
+    halves of the register tile, each thread's own registers (no data moves)."""
+    NP: gl.constexpr = D // DQ_N
+    mbarrier.wait(dq_empty, (use & 1) ^ 1)
+    lo_half, hi_half = dq.reshape([BLOCK_M, 2, D // 2]).permute(0, 2, 1).split()
+    if NP == 2:
+        dq_smem.index(0).reshape([BLOCK_M, DQ_N]).store(lo_half)
+        dq_smem.index(1).reshape([BLOCK_M, DQ_N]).store(hi_half)
+    else:
+        q0, q1 = lo_half.reshape([BLOCK_M, 2, DQ_N]).permute(0, 2, 1).split()
+        q2, q3 = hi_half.reshape([BLOCK_M, 2, DQ_N]).permute(0, 2, 1).split()
+        dq_smem.index(0).reshape([BLOCK_M, DQ_N]).store(q0)
+        dq_smem.index(1).reshape([BLOCK_M, DQ_N]).store(q1)
+        dq_smem.index(2).reshape([BLOCK_M, DQ_N]).store(q2)
+        dq_smem.index(3).reshape([BLOCK_M, DQ_N]).store(q3)
+    fence_async_shared()
+    mbarrier.arrive(dq_full, count=1)
+
+
+@gluon.jit
 def _kv_consumer1(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
                   dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
                   n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
                   CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                   BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr,
-                  USE_LO: gl.constexpr, DQ_N: gl.constexpr, p_smem):
+                  USE_LO: gl.constexpr, DQ_N: gl.constexpr, p_smem, k_other, kv_bar_other, ds_other, ds_ready,
+                  ds_free, ds_free_other, SHARED_DQ: gl.constexpr):
     # the second half's keys, in a worker partition
     _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
                  dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
                  n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, 1, CAUSAL,
-                 HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem)
+                 HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem, k_other,
+                 kv_bar_other, ds_other, ds_ready, ds_free, ds_free_other, SHARED_DQ)
 
 
 @gluon.jit
@@ -189,24 +233,34 @@ def _kv_loader(q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_sme
 
 @gluon.jit
 def _dq_writer(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt, mt_lo,
-               BLOCK_M: gl.constexpr, D: gl.constexpr, DQ_N: gl.constexpr, VARLEN: gl.constexpr):
-    """Each tile's two dQ buffers (one a consumer) into the float32 accumulator by the copy
-    engine's reduce-add; a buffer goes back to its consumer once the reduces have read it."""
+               BLOCK_M: gl.constexpr, D: gl.constexpr, DQ_N: gl.constexpr, VARLEN: gl.constexpr,
+               SHARED_DQ: gl.constexpr):
+    """Each tile's two dQ buffers (one a consumer; SHARED_DQ: the one of consumer t % 2) into the
+    float32 accumulator by the copy engine's reduce-add; a buffer goes back to its consumer once
+    the reduces have read it."""
     n_mt_div = gl.maximum(n_mt, 1)
     for t in range(T):
         m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
-        _reduce_buffer(dq_desc, dq_smem0, dq_full.index(0), dq_empty.index(0), t, b, m, h, q_start, Sq, D, DQ_N,
-                       VARLEN)
-        _reduce_buffer(dq_desc, dq_smem1, dq_full.index(1), dq_empty.index(1), t, b, m, h, q_start, Sq, D, DQ_N,
-                       VARLEN)
+        if SHARED_DQ:
+            if t % 2 == 0:
+                _reduce_buffer(dq_desc, dq_smem0, dq_full.index(0), dq_empty.index(0), t // 2, b, m, h, q_start, Sq,
+                               D, DQ_N, VARLEN)
+            else:
+                _reduce_buffer(dq_desc, dq_smem1, dq_full.index(1), dq_empty.index(1), t // 2, b, m, h, q_start, Sq,
+                               D, DQ_N, VARLEN)
+        else:
+            _reduce_buffer(dq_desc, dq_smem0, dq_full.index(0), dq_empty.index(0), t, b, m, h, q_start, Sq, D, DQ_N,
+                           VARLEN)
+            _reduce_buffer(dq_desc, dq_smem1, dq_full.index(1), dq_empty.index(1), t, b, m, h, q_start, Sq, D, DQ_N,
+                           VARLEN)
 
 
 @gluon.jit
-def _reduce_buffer(dq_desc, buf, full, empty, t, b, m, h, q_start, Sq, D: gl.constexpr, DQ_N: gl.constexpr,
+def _reduce_buffer(dq_desc, buf, full, empty, use, b, m, h, q_start, Sq, D: gl.constexpr, DQ_N: gl.constexpr,
                    VARLEN: gl.constexpr):
-    # one consumer's tile-t dQ parts, once written, added by the copy engine; the buffer is free
-    # again once the reduces have read it
-    mbarrier.wait(full, t & 1)
+    # one consumer's dQ parts (the buffer's `use`-th filling), once written, added by the copy
+    # engine; the buffer is free again once the reduces have read it
+    mbarrier.wait(full, use & 1)
     for p in gl.static_range(D // DQ_N):
         reduce_out(dq_desc, b, m, h, p * DQ_N, q_start, Sq, buf.index(p), VARLEN)
     tma.store_wait(0)
@@ -221,7 +275,7 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
                                  HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
                                  STAGES: gl.constexpr, VARLEN: gl.constexpr, HAS_LO: gl.constexpr,
                                  LO_PASS: gl.constexpr, FAR_READY: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                 LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                 LOADER_REGS: gl.constexpr, SHARED_DQ: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV of one 128-key block and its adds to dQ (the arguments mean attn_bwd_dkdv_sm90_kernel's
     with FUSED_DQ and PART 0; k, v, dK, dV boxes are one consumer's 64 rows).  With lse_lo, two
     launches: the first (LO_PASS=False) leaves the blocks of GQA groups with a row far from 0 to
@@ -276,10 +330,15 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # SHARED_DQ: both consumers' dS written (index 2: arrived by both), a consumer's dS read by
+    # the other's dQ product (indices 0, 1)
+    ds_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_bars.index(i), count=1)
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
+        mbarrier.init(ds_bars.index(i), count=1)
+    mbarrier.init(ds_bars.index(2), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
@@ -291,15 +350,19 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
                             ready, empty, ds_smem0, dq_smem0, dq_full.index(0), dq_empty.index(0), b, hk, group, n0,
                             k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b,
                             stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, 0, CAUSAL, HAS_WL,
-                            HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem0)),
+                            HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem0, k_smem1,
+                            kv_bars.index(1), ds_smem1, ds_bars.index(2), ds_bars.index(0), ds_bars.index(1),
+                            SHARED_DQ)),
             (_kv_consumer1, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem1, v_smem1, kv_bars.index(1), q_ring, do_ring,
                              ready, empty, ds_smem1, dq_smem1, dq_full.index(1), dq_empty.index(1), b, hk, group, n0,
                              k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b,
                              stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, CAUSAL, HAS_WL,
-                             HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem1)),
+                             HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem1, k_smem0,
+                             kv_bars.index(0), ds_smem0, ds_bars.index(2), ds_bars.index(1), ds_bars.index(0),
+                             SHARED_DQ)),
             (_kv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring,
                           do_ring, ready, empty, b, hk, group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M,
                           STAGES, VARLEN)),
             (_dq_writer, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt, mt_lo,
-                          BLOCK_M, D, DQ_N, VARLEN)),
+                          BLOCK_M, D, DQ_N, VARLEN, SHARED_DQ)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])

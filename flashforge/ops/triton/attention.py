@@ -263,11 +263,27 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
     return o, lse
 
 
+def _long_bwd_kv(g_kv, k, D: int, elem: int, arch, params: AttnParams):
+    """The table's dK/dV tiles for this call: its "bwd_kv_ws" entry (the warp-specialized kernel,
+    dQ fused) where the call has at least that entry's min_keys keys and lets dQ be added in
+    varying order (not deterministic), else `g_kv` (the ordered pair's).  Why a length rule: at
+    S = 16k it measured 1.10-1.13x the pair's backward, at 4k 0.98-0.99x, at 1k 0.82-0.89x (its
+    zeroed accumulator and conversion, and host time: benchmarks/RESULTS.md v0.9.2)."""
+    ws = gluon_config(D, elem, False, arch, "bwd_kv_ws")
+    keys = params.max_seqlen_k if params.is_varlen else k.shape[1]
+    if ws is None or keys < ws.min_keys or not gluon_attention.fuses_dq(ws, D, params) or \
+            not gluon_attention.bwd_tiles_fit("bwd_kv", ws, D):
+        return g_kv
+    return ws
+
+
 def _gluon_backward(q, k, v, do, lse, mask, params: AttnParams, cfg_kv, cfg_q, arch, lse_lo):
     """(dK/dV tiles, dQ tiles) of the sm_90 Gluon kernels, each None where it does not serve:
     the call out of their scope, or no Gluon entry for that pass (either may serve alone)."""
     D, elem = max(q.shape[3], v.shape[3]), q.element_size()
     g_kv = cfg_kv if cfg_kv.gluon else gluon_config(D, elem, False, arch, "bwd_kv")
+    if g_kv is not None and not cfg_kv.gluon:
+        g_kv = _long_bwd_kv(g_kv, k, D, elem, arch, params)
     g_q = cfg_q if cfg_q.gluon else gluon_config(D, elem, False, arch, "bwd_q")
     why = None if g_kv is None and g_q is None else \
         gluon_attention.bwd_call_reason(q, k, v, do, lse, mask, params, arch, lse_lo)

@@ -44,7 +44,8 @@ class TileConfig:
     # bias or dropout: `gluon.attention.scope_reason`); other calls with this config take the
     # portable kernel with the same tiles
     gluon: bool = False
-    # gluon only: serve calls with at least this many keys (the portable kernel below it)
+    # gluon only: serve calls with at least this many keys (the forward: the portable kernel below
+    # it; a "bwd_kv_ws" entry: the "bwd_kv" one below it)
     min_keys: int = 0
     # gluon only: slots in V's ring (0: num_stages, as K's).  One lets 64 x 128 tiles at
     # D = 128 (112 KB) run two programs per SM; V's copy then hides behind one tile's q k^T
@@ -58,6 +59,9 @@ class TileConfig:
     consumers: int = 1
     # consumers = 2 only: the two take turns issuing their products (FA3's ping-pong)
     pingpong: bool = False
+    # bwd_kv, consumers = 2 only: a query tile's dQ_t is one product over the block's 128 keys,
+    # the consumers taking turns (one float32 buffer and one set of reduce-adds a tile, not two)
+    shared_dq: bool = False
 
 
 # (pass, head-dim bucket, bytes per element) -> config, one table per GPU architecture.
@@ -140,6 +144,14 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # accumulator, conversion and delta launches weigh; D = 128 spills, 0.68-0.81x: RESULTS.md
     # v0.8.9, `benchmarks/profile/fused_dq_gpu.py`)
     ("bwd_kv_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
+    # Long sequences, not deterministic: the warp-specialized dK/dV kernel with dQ fused, its
+    # consumers taking turns at one dQ product over all 128 keys a query tile (shared_dq).  H200,
+    # bf16, backward TFLOP/s against the ordered pair (RESULTS.md v0.9.2): S = 16k D = 64 causal
+    # 386 against 341, D = 128 498 against 452; S = 4k 0.98-0.99x, S = 1k 0.82-0.89x, hence min_keys
+    ("bwd_kv_ws_gluon", 64, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True,
+                                           min_keys=8192),
+    ("bwd_kv_ws_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True,
+                                            min_keys=8192),
     ("bwd_q_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
     ("bwd_q_gluon", 128, 2): TileConfig(64, 64, 4, 3, gluon=True, v_stages=1),
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
