@@ -357,8 +357,8 @@ def test_repeat_calls_descriptors_share_a_launch_key(packed):
 @pytest.mark.parametrize("D", [64, 128])
 def test_long_backward_takes_the_warp_specialized_kernel(D):
     """The table's "bwd_kv_ws" entry (the warp-specialized dK/dV kernel, dQ fused) serves a
-    backward from its min_keys keys on; shorter calls and deterministic ones keep the ordered
-    pair's Gluon tiles, not the portable kernel; a "bwd_kv" override (a sweep's) is taken as it is."""
+    backward from its min_keys keys on; shorter calls, narrower windows and deterministic calls keep
+    the ordered pair's Gluon tiles, not the portable kernel; a "bwd_kv" override is taken as it is."""
     from flashforge.ops.triton import attention as launchers
     from flashforge.ops.triton import configs
     ws = configs.gluon_config(D, 2, False, (9, 0), "bwd_kv_ws")
@@ -367,12 +367,14 @@ def test_long_backward_takes_the_warp_specialized_kernel(D):
     assert pair is not None and pair.consumers == 1
     cfg_kv = configs.get_config("bwd_kv", D, 2, False, arch=(9, 0))
     cfg_q = configs.get_config("bwd_q", D, 2, False, arch=(9, 0))
-    for S, det, want in ((ws.min_keys, False, ws), (ws.min_keys - 64, False, pair), (ws.min_keys, True, pair)):
+    n = ws.min_keys
+    for S, kw, want in ((n, {}, ws), (n - 64, {}, pair), (n, dict(deterministic=True), pair),
+                        (n, dict(window_left=n - 1, window_right=0), pair),  # a key sees < n queries
+                        (n, dict(window_left=n, window_right=0), ws)):
         q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
         lse = torch.empty(1, 2, S)
-        g_kv, g_q = launchers._gluon_backward(q, q, q, q, lse, None, _params(deterministic=det), cfg_kv, cfg_q,
-                                              (9, 0), None)
-        assert g_kv == want, (S, det, g_kv)
+        g_kv, g_q = launchers._gluon_backward(q, q, q, q, lse, None, _params(**kw), cfg_kv, cfg_q, (9, 0), None)
+        assert g_kv == want, (S, kw, g_kv)
         assert g_q == configs.gluon_config(D, 2, False, (9, 0), "bwd_q")
     forced = TileConfig(64, 64, 4, 3, gluon=True)
     q = torch.empty(1, ws.min_keys, 2, D, dtype=torch.bfloat16)

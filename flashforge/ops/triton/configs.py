@@ -147,7 +147,9 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # Long sequences, not deterministic: the warp-specialized dK/dV kernel with dQ fused, its
     # consumers taking turns at one dQ product over all 128 keys a query tile (shared_dq).  H200,
     # bf16, backward TFLOP/s against the ordered pair (RESULTS.md v0.9.2): S = 16k D = 64 causal
-    # 386 against 341, D = 128 498 against 452; S = 4k 0.98-0.99x, S = 1k 0.82-0.89x, hence min_keys
+    # 386 against 341, D = 128 498 against 452, S = 8k 1.10x; S = 4k 0.90-1.06x, S = 1k 0.82-0.89x,
+    # a causal window of 1023 0.85x: min_keys, which a narrower window also falls short of
+    # (`attention._long_bwd_kv`)
     ("bwd_kv_ws_gluon", 64, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True,
                                            min_keys=8192),
     ("bwd_kv_ws_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True,
