@@ -413,6 +413,36 @@ def test_table_long_backward_takes_the_ws_kernel(c, dtype, monkeypatch):
         configs.set_config("bwd_kv_ws_gluon", bucket, 2, None)
 
 
+@pytest.mark.parametrize("D, Hkv, causal", [(64, 4, False), (128, 2, True)])
+def test_training_steps_from_launch_plans_match_the_launchers(D, Hkv, causal, monkeypatch):
+    """Training steps of one shape: from the third on, the forward and backward replay launch plans
+    (ops/replay.py); each step's outputs and gradients equal, bitwise, those of the launchers' own
+    path on the same inputs (plans off), and the third step's match the float64 reference."""
+    from flashforge.ops import replay
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    served = replay.served
+
+    def step(q, k, v, do):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = flashforge.attention(*leaves, causal=causal, backend="triton")
+        return (o, *torch.autograd.grad(o, leaves, do))
+
+    for i in range(4):
+        q, do = (torch.randn(2, 333, 4, D, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
+        k, v = (torch.randn(2, 333, Hkv, D, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
+        monkeypatch.setattr(replay, "TRAINING", True)
+        planned = step(q, k, v, do)
+        monkeypatch.setattr(replay, "TRAINING", False)
+        own = step(q, k, v, do)
+        for name, a, b in zip(("o", "dq", "dk", "dv"), planned, own):
+            assert torch.equal(a, b), f"step {i}: {name} differs between the plan and the launcher"
+    assert replay.served - served >= 4, "the plans did not serve steps 3 and 4 (forward and backward)"
+    monkeypatch.setattr(replay, "TRAINING", True)
+    c = Case(B=2, Sq=333, Sk=333, Hq=4, Hkv=Hkv, D=D, causal=causal)
+    for seed in range(3):  # (the third call replays)
+        check_case(c, "triton", device="cuda", dtype=BF16, gen_seed=seed)
+
+
 def test_backward_out_of_scope_takes_portable_kernels(gluon_bwd_calls):
     q, k, v = (torch.randn(1, 256, 2, 64, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3))
     for kw in (make() for make in OUT_OF_SCOPE):

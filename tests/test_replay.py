@@ -20,6 +20,7 @@ class _Fake:
         monkeypatch.setattr(launch_mod, "ENABLED", True)
         monkeypatch.setattr(launch_mod, "VERIFY", False)
         monkeypatch.setattr(launch_mod, "_compiled", {})
+        monkeypatch.setattr(launch_mod, "launches", 0)
         monkeypatch.setattr(launch_mod, "launch", self.launch)
         monkeypatch.setattr(launch_mod, "launch_ready", self.launch_ready)
         monkeypatch.setattr(launch_mod, "cache_key", lambda k, d, a, kw: (k, d, len(a), tuple(kw.items())))
@@ -39,6 +40,7 @@ class _Fake:
         monkeypatch.setattr(replay, "_plans", {})
 
     def launch(self, kernel, grid, *args, **kwargs):
+        launch_mod.launches += 1  # (as the real one counts every launch)
         key = launch_mod.cache_key(kernel, 0, args, kwargs)
         self.launched.append(("launch", kernel, args))
         return launch_mod._compiled.setdefault(key, ("ready", kernel))
@@ -127,3 +129,116 @@ def test_not_usable_while_verifying(monkeypatch):
     assert replay.usable()
     monkeypatch.setattr(launch_mod, "VERIFY", True)
     assert not replay.usable()
+
+
+def test_launch_around_the_recorder_is_never_planned(monkeypatch):
+    """A launcher path that calls the launch layer itself (not through `rec`) would be missing from
+    a replay: its key is never planned."""
+    fake = _Fake(monkeypatch)
+    constant = torch.zeros(4)
+    inner = _launcher
+    for _ in range(4):
+        q, k = torch.randn(4, 16), torch.randn(8, 16)
+
+        def run(rec, q=q, k=k):
+            out = inner(q, k, constant)(rec)
+            launch_mod.launch("side", (1,), q)  # around the recorder
+            return out
+        _call("key", q, k, run)
+        assert fake.launched[-1][0] == "launch"
+    assert replay._plans["key"] is replay._NEVER
+
+
+def test_descriptor_over_a_fresh_tensor_and_a_missing_output(monkeypatch):
+    """A descriptor over a tensor the launcher makes (the Gluon kernels' outputs), of either
+    descriptor class, is rebuilt over the replay's new tensor; a None output stays None."""
+    fake = _Fake(monkeypatch)
+    classes = [TensorDescriptor]
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+        classes.append(GluonTensorDescriptor)
+    except ImportError:
+        pass
+    for cls in classes:
+        replay._plans.clear()
+        for step in range(4):
+            q, k = torch.randn(4, 16), torch.randn(8, 16)
+
+            def run(rec, q=q):
+                o = rec.fresh(torch.empty, q.shape, dtype=q.dtype)
+                d = object.__new__(cls)
+                d.__dict__.update(base=o, shape=list(o.shape), strides=list(o.stride()), block_shape=[2, 16])
+                rec.launch("kern", (1,), q, d)
+                return o, None
+            o, none = _call(("key", cls), q, k, run)
+            kind, _, args = fake.launched[-1]
+            assert kind == ("launch" if step < 2 else "ready") and none is None
+            assert type(args[1]) is cls and args[1].base is o and args[1].block_shape == [2, 16]
+
+
+def _same_launch(a, b, mine: dict, pairs: dict):
+    """Whether launch args `a` (a replay's) match `b` (the launcher's own, same call): the call's
+    tensors the same objects, fresh tensors alike in shape and dtype and paired one-to-one across
+    the call's launches (`pairs`: id in a -> id in b), descriptors alike over matching bases,
+    everything else equal."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(y, torch.Tensor):
+            if id(y) in mine:  # one of the call's own tensors
+                if x is not y:
+                    return False
+            elif not (isinstance(x, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype and id(x) not in mine):
+                return False
+            elif pairs.setdefault(id(x), id(y)) != id(y) or list(pairs.values()).count(id(y)) != 1:
+                return False
+        elif hasattr(y, "block_shape") and hasattr(y, "base"):
+            if type(x) is not type(y) or not _same_launch([x.base], [y.base], mine, pairs):
+                return False
+            if {f: v for f, v in vars(x).items() if f != "base"} != {f: v for f, v in vars(y).items() if f != "base"}:
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("causal, lo", [(False, False), (True, True)])
+def test_training_launchers_replay_what_they_launch(monkeypatch, causal, lo):
+    """The sm_90 training launchers (the Gluon forward and the ordered Gluon backward, on CPU
+    tensors with sm_90 asked for): their plans serve from the third call, and each replayed launch
+    has the arguments the launcher itself would pass for that call."""
+    gluon = pytest.importorskip("flashforge.ops.gluon.attention")
+    if gluon._kernel() is None or gluon._bwd_kernels() is None:
+        pytest.skip("this Triton has no Gluon for Hopper")
+    from flashforge.ops.params import AttnParams
+    from flashforge.ops.triton import attention as L
+    fake = _Fake(monkeypatch)
+    monkeypatch.setattr(L, "_interpreting", lambda q: False)
+    monkeypatch.setattr(L, "_arch", lambda q: (9, 0))
+    p = AttnParams(scale=0.125, window_right=0 if causal else -1)
+    for step in range(3):
+        q, k, v, do = (torch.randn(2, 256, 2, 64).to(torch.bfloat16) for _ in range(4))
+        lse_lo = torch.empty(2, 2, 256) if lo else None
+        n0 = len(fake.launched)
+        o, lse = replay.call(("fwd", causal, lo), dict(q=q, k=k, v=v, lse_lo=lse_lo),
+                             lambda rec: L._forward(q, k, v, None, p, rec, lse_lo))
+        n1 = len(fake.launched)
+        grads = replay.call(("bwd", causal, lo), dict(do=do, dlse=None, q=q, k=k, v=v, o=o, lse=lse, lse_lo=lse_lo),
+                            lambda rec: L._backward(rec, do, None, q, k, v, None, o, lse, p, False, lse_lo))
+        got_fwd, got_bwd = fake.launched[n0:n1], fake.launched[n1:]
+        assert len(got_fwd) == 1 and len(got_bwd) >= 2
+        assert all(kind == ("launch" if step < 2 else "ready") for kind, _, _ in got_fwd + got_bwd), step
+        assert grads[3] is None and all(g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+    # the launcher's own launches for the last call, beside the replay's
+    n2 = len(fake.launched)
+    L._forward(q, k, v, None, p, replay.DIRECT, lse_lo)
+    n3 = len(fake.launched)
+    L._backward(replay.DIRECT, do, None, q, k, v, None, o, lse, p, False, lse_lo)
+    own_fwd, own_bwd = fake.launched[n2:n3], fake.launched[n3:]
+    for got, own, ins in ((got_fwd, own_fwd, (q, k, v, lse_lo)), (got_bwd, own_bwd, (q, k, v, do, o, lse, lse_lo))):
+        assert len(own) == len(got)
+        mine, pairs = {id(t): t for t in ins if t is not None}, {}
+        for (_, kern_a, args_a), (_, kern_b, args_b) in zip(got, own):
+            name = getattr(getattr(kern_b, "fn", kern_b), "__name__", kern_b)
+            assert kern_a is kern_b, name
+            assert _same_launch(args_a, list(args_b), mine, pairs), name

@@ -1,6 +1,7 @@
 """Where the time of a short call goes: the benchmark's timing (do_bench, eager), the same
 call inside a CUDA graph (no host work), and the host's own time per call (measured while
-the GPU is held busy, so launches only queue).  A diagnostic for the S = 1k grid rows,
+the GPU is held busy, so launches only queue), ours without training launch plans and with them
+("ours-p", ops/replay.py).  A diagnostic for the S = 1k grid rows,
 whose kernels run for 50-400 us: when the host needs longer than the GPU, eager timing
 measures the host.
 
@@ -13,7 +14,7 @@ import torch
 import triton.testing
 
 import flashforge
-from flashforge.ops import launch
+from flashforge.ops import launch, replay
 
 
 def host_us(fn, n=20):
@@ -74,16 +75,28 @@ def main():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     torch.autograd.grad(sdpa(*tl, is_causal=causal), tl, dot)
 
-            runs = [("ours", ours_fwd, flops), ("cudnn", cudnn_fwd, flops),
-                    ("ours", ours_fb, 3.5 * flops), ("cudnn", cudnn_fb, 3.5 * flops)]
-            for name, fn, f in runs:
-                pas = "fwd" if fn in (ours_fwd, cudnn_fwd) else "fwd+bwd"
+            def plans(fn, on):  # training launch plans on or off for this call (ops/replay.py)
+                def run():
+                    saved, replay.TRAINING = replay.TRAINING, on
+                    try:
+                        fn()
+                    finally:
+                        replay.TRAINING = saved
+                return run
+
+            runs = [("ours", plans(ours_fwd, False), flops), ("ours-p", plans(ours_fwd, True), flops),
+                    ("cudnn", cudnn_fwd, flops),
+                    ("ours", plans(ours_fb, False), 3.5 * flops), ("ours-p", plans(ours_fb, True), 3.5 * flops),
+                    ("cudnn", cudnn_fb, 3.5 * flops)]
+            for i, (name, fn, f) in enumerate(runs):
+                pas = "fwd" if i < 3 else "fwd+bwd"
                 eager = triton.testing.do_bench(fn, warmup=10, rep=50)
                 graph = graph_ms(fn)
                 h = host_us(fn)
                 print(f"D={D} S={S}{' causal' if causal else '':7s} {pas:7s} {name:6s} {eager:9.3f} {graph:9.3f} "
                       f"{h:8.1f} {f / eager * 1e-9:10.0f} {f / graph * 1e-9:10.0f}", flush=True)
-    print(f"launch cache: enabled={launch.ENABLED}, launches served from it: {launch.hits}")
+    print(f"launch cache: enabled={launch.ENABLED}, launches served from it: {launch.hits}; "
+          f"calls served by launch plans: {replay.served}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ VERIFY = os.environ.get("FLASHFORGE_LAUNCH_CACHE") == "verify"
 _compiled: dict = {}
 _constexpr_at: dict = {}  # kernel -> positions of its constexpr parameters
 hits = 0  # launches served from the cache (tests read it)
+launches = 0  # every call of `launch` (a launch plan's recording counts what passed through it: ops/replay.py)
 _layouts: dict = {}  # id -> layout, kept alive so that an id in a key is never reused
 _MISSING = object()
 
@@ -206,6 +207,8 @@ def launch(kernel, grid, *args, **kwargs):
     (constexprs and launch options), each parameter named.  Returns the cache's entry that
     serves these arguments from now on (`_Ready`, which `launch_ready` takes), or None where
     the launch took Triton's own path and nothing was cached."""
+    global launches
+    launches += 1
     if not ENABLED or JITFunction is None or not isinstance(kernel, JITFunction) or _hooked():
         kernel[grid](*args, **kwargs)
         return None

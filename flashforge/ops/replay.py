@@ -7,17 +7,21 @@ strides, dtypes and options; only the tensors' addresses change.  Its Python -- 
 eager decode ran at 1/16 of cuDNN's rate there, benchmarks/RESULTS.md v0.7.1).  Here a
 launcher's work is recorded as a plan: which kernels it launched (the launch cache's compiled
 kernel), with which constant arguments, and where each launch took one of the call's tensors,
-a tensor made fresh for the call (outputs, scratch), or a descriptor over an input.  A repeat
-call with the same key replays the plan: new tensors, the same launches.
+a tensor made fresh for the call (outputs, scratch), or a descriptor over either.  A repeat
+call with the same key replays the plan: new tensors, the same launches.  Training calls (the
+sm_90 Gluon forward and ordered backward) can take plans too (`TRAINING`).
 
 Safety: the key (`signature`) holds everything the launcher reads besides addresses -- shapes,
 strides, dtypes, 16-byte alignment, every scalar option, the device and the tile table's
 generation -- and a plan is only used after two recorded calls with the same key produced the
 same launches (the same kernels, grids, constants and slots); a tensor argument that is neither
 one of the call's, nor made fresh through the recorder, nor the same object in both recordings,
-leaves the key unplanned (its calls then always take the launcher's own path).
+or a launch that did not pass through the recorder (`launch.launches` counts every one), leaves
+the key unplanned (its calls then always take the launcher's own path).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -27,11 +31,23 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - a Triton without host descriptors: no descriptor slots
     TensorDescriptor = None
+try:  # the Gluon kernels' host descriptors (a layout beside the fields above)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:  # pragma: no cover
+    GluonTensorDescriptor = None
+_DESCRIPTORS = tuple(c for c in (TensorDescriptor, GluonTensorDescriptor) if c is not None)
 
 _MAX_PLANS = 1024  # a few kB each; a server's batch sizes x query lengths fit
 _plans: dict = {}  # key -> _Plan; ("first", _Plan): recorded once, awaiting the second; or _NEVER
 _NEVER = object()
 served = 0  # calls served by a plan (tests read it)
+# training calls (a forward or backward without a KV cache) take plans too where this is on
+# ($FLASHFORGE_TRAINING_PLANS=1).  Off by default until it has run on the GPU: its CPU tests check
+# that a replay launches what the launchers would (tests/test_replay.py); the GPU test
+# (tests/test_gluon_sm90.py, training_steps_from_launch_plans) and the host-time A/B
+# (benchmarks/profile/short_calls.py) are written but did not run (benchmarks/RESULTS.md v0.9.2).
+# Decoding keeps its plans either way.
+TRAINING = os.environ.get("FLASHFORGE_TRAINING_PLANS", "0") == "1"
 generation = [0]  # bumped when what a launcher computes may change (tile table overrides)
 
 
@@ -102,6 +118,9 @@ class _Recording:
                 self.names[id(t)] = name
         self.made = []  # (tensor, Fresh)
         self.launches = []  # (launch cache entry or None, grid, args)
+        # launches that bypass the recorder (a launcher's path not written for plans) would be
+        # missing from a replay: `plan` compares this count with the recorded launches
+        self.launch_count = launch_mod.launches
 
     def fresh(self, fn, *args, **kwargs):
         t = fn(*args, **kwargs)
@@ -114,6 +133,8 @@ class _Recording:
     def plan(self, result) -> "_Plan | None":
         """The plan of what was recorded, or None where it cannot be replayed."""
         if not self.ok or not launch_mod.ENABLED or launch_mod.VERIFY:
+            return None
+        if launch_mod.launches - self.launch_count != len(self.launches):  # one went around the recorder
             return None
         made = {id(t): i for i, (t, _) in enumerate(self.made)}
         steps = []
@@ -130,22 +151,30 @@ class _Recording:
                     else:
                         continue  # a constant: checked against the second recording
                     template[i] = None
-                elif TensorDescriptor is not None and type(a) is TensorDescriptor:
-                    # over one of the call's tensors, whole: the key covers its shape, strides
-                    # and alignment, so a copy with the new base is as valid as this one
+                elif type(a) in _DESCRIPTORS:
+                    # over one of the call's tensors or a fresh one, whole: the key covers its
+                    # shape, strides and alignment (a fresh one's: its recipe), so a copy with
+                    # the new base is as valid as this one
                     base = a.base
-                    if id(base) not in self.names or list(a.shape) != list(base.shape) \
-                            or list(a.strides) != list(base.stride()):
+                    if list(a.shape) != list(base.shape) or list(a.strides) != list(base.stride()):
                         return None
                     fields = tuple((f, v) for f, v in vars(a).items() if f != "base")
-                    slots.append((i, "desc", (self.names[id(base)], fields)))
+                    if id(base) in self.names:
+                        slots.append((i, "desc", (self.names[id(base)], fields, type(a))))
+                    elif id(base) in made:
+                        slots.append((i, "desc_new", (made[id(base)], fields, type(a))))
+                    else:
+                        return None
                     template[i] = None
             steps.append((ready, tuple(grid), template, tuple(slots)))
         outs = []
         for t in result:
-            if id(t) not in made:
+            if t is None:  # (an output the call does not have, e.g. the backward's dmask)
+                outs.append(None)
+            elif id(t) not in made:
                 return None
-            outs.append(made[id(t)])
+            else:
+                outs.append(made[id(t)])
         return _Plan(steps, [f for _, f in self.made], tuple(outs))
 
 
@@ -182,14 +211,14 @@ class _Plan:
                 elif kind == "new":
                     args[i] = made[ref]
                 else:  # a descriptor: the recorded one's fields with the new base (no re-validation)
-                    d = object.__new__(TensorDescriptor)
+                    d = object.__new__(ref[2])
                     d.__dict__.update(ref[1])  # (lists shared with the plan: nothing mutates them)
-                    d.base = named[ref[0]]
+                    d.base = named[ref[0]] if kind == "desc" else made[ref[0]]
                     args[i] = d
             if stream is None:
                 stream = launch_mod.driver.active.get_current_stream(launch_mod.driver.active.get_current_device())
             launch_mod.launch_ready(ready, grid, stream, args)
-        return tuple(made[i] for i in self.outs)
+        return tuple(None if i is None else made[i] for i in self.outs)
 
 
 def usable() -> bool:

@@ -15,7 +15,8 @@ import struct
 
 import torch
 
-from ..launch import cdiv, launch
+from .. import replay
+from ..launch import cdiv
 from ..params import AttnParams
 from ..tma import tma_ready
 
@@ -223,15 +224,16 @@ def _qk_scale(scale: float) -> float:
     return _f32(_f32(scale) * _f32(1.4426950408889634))
 
 
-def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None):
+def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None, rec=replay.DIRECT):
     """o [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32) for a call `in_scope` accepts (packed:
     [1, total, Hq, D] and [1, Hq, total]; `order`, the sequences longest first); with `lse_lo`
-    (contiguous, lse's shape) also lse's low part (`flashforge.ops.params`)."""
+    (contiguous, lse's shape) also lse's low part (`flashforge.ops.params`).  `rec` makes the fresh
+    tensors and launches (`replay.DIRECT`, or a launch plan's recorder: ops/replay.py)."""
     kernel = _kernel()[0]
     _, total, Hq, D = q.shape
     Hkv = k.shape[2]
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(q.shape[0], Hq, total, dtype=torch.float32, device=q.device)
+    o = rec.fresh(torch.empty, q.shape, dtype=q.dtype, device=q.device)
+    lse = rec.fresh(torch.empty, q.shape[0], Hq, total, dtype=torch.float32, device=q.device)
     B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, tot_q, tot_k, offset, br = _sequences(q, k, params, order, lse)
     w = _window(params)
     mod, mod_flags = _modifiers(params, lse)
@@ -245,10 +247,11 @@ def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None)
                   STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
                   VARLEN=params.is_varlen, STORE_LO=lse_lo is not None)
     if ws:
-        launch(_ws_kernel(), grid, *args, **common, PINGPONG=cfg.pingpong, CONSUMER_REGS=_WS_REGS[0],
-               LOADER_REGS=_WS_REGS[1], num_warps=4)
+        rec.launch(_ws_kernel(), grid, *args, **common, PINGPONG=cfg.pingpong, CONSUMER_REGS=_WS_REGS[0],
+                   LOADER_REGS=_WS_REGS[1], num_warps=4)
     else:
-        launch(kernel, grid, *args, **common, BLOCK_M=cfg.block_m, Q_IN_REGS=_Q_IN_REGS, num_warps=cfg.num_warps)
+        rec.launch(kernel, grid, *args, **common, BLOCK_M=cfg.block_m, Q_IN_REGS=_Q_IN_REGS,
+                   num_warps=cfg.num_warps)
     return o, lse
 
 
@@ -398,17 +401,17 @@ def input_descriptors(q, k, v, do, params: AttnParams, cfg, kind: str):
     return desc(q, rows_q), desc(k, rows_k), desc(v, rows_k), desc(do, rows_q)
 
 
-def far_flags(q, k, params: AttnParams, lse_lo):
+def far_flags(q, k, params: AttnParams, lse_lo, rec=replay.DIRECT):
     """With lse_lo: the zeroed int32 [B * Hkv] (B: `_batch`, one per dK/dV program row of the grid)
     the dQ kernel marks the GQA groups with a row far from 0 in, for the dK/dV kernel launched
     after it (`attention_bwd_dq`'s `far`); else None."""
     if lse_lo is None:
         return None
-    return torch.zeros(_batch(q, params) * k.shape[2], device=q.device, dtype=torch.int32)
+    return rec.fresh(torch.zeros, _batch(q, params) * k.shape[2], device=q.device, dtype=torch.int32)
 
 
 def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None, lse_lo=None,
-                       far=None, dq_acc=None):
+                       far=None, dq_acc=None, rec=replay.DIRECT):
     """dK, dV [B, Sk, Hkv, D] for a call in the Gluon backward's scope (`bwd_call_in_scope`,
     `bwd_tiles_fit`); delta from the preprocess kernel or the dQ kernel; `inputs`: `input_descriptors`
     with this cfg, or None to build them; `far`: `far_flags` as the dQ kernel filled them, or None
@@ -416,8 +419,8 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     `fuses_dq`), the kernel also adds dQ into it."""
     dkdv, _ = _bwd_kernels()
     Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dk = rec.fresh(torch.empty, k.shape, dtype=k.dtype, device=k.device)
+    dv = rec.fresh(torch.empty, v.shape, dtype=v.dtype, device=v.device)
     B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, tot_q, tot_k, offset, br = _sequences(q, k, params, order, lse)
     grid = (cdiv(Sk, cfg.block_n), B * Hkv)
     # with lse_lo, two launches (the kernel's docstring): the second redoes the blocks of the
@@ -426,17 +429,17 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     w = _window(params)
     mod, mod_flags = _modifiers(params, lse)
     if not ready:
-        far = lse if lse_lo is None else torch.empty(B * Hkv, device=lse.device, dtype=torch.int32)
+        far = lse if lse_lo is None else rec.fresh(torch.empty, B * Hkv, device=lse.device, dtype=torch.int32)
     if cfg.consumers == 2:  # warp-specialized, dQ fused (`fuses_dq`): k, v, dK, dV in 64-row boxes
         dk_desc = desc(dk, 64)
         args = (*(inputs or input_descriptors(q, k, v, do, params, cfg, "bwd_kv")), dk_desc, desc(dv, 64), lse,
                 lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
                 Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod, dq_descriptor(dq_acc, params))
         for second in ((False,) if lse_lo is None else (False, True)):
-            launch(_ws_dkdv_kernel(), grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags,
-                   BLOCK_M=cfg.block_m, D=D, STAGES=max(2, cfg.num_stages), VARLEN=params.is_varlen,
-                   HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, CONSUMER_REGS=_WS_REGS[0],
-                   LOADER_REGS=_WS_REGS[1], SHARED_DQ=cfg.shared_dq, num_warps=4)
+            rec.launch(_ws_dkdv_kernel(), grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags,
+                       BLOCK_M=cfg.block_m, D=D, STAGES=max(2, cfg.num_stages), VARLEN=params.is_varlen,
+                       HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, CONSUMER_REGS=_WS_REGS[0],
+                       LOADER_REGS=_WS_REGS[1], SHARED_DQ=cfg.shared_dq, num_warps=4)
         return dk, dv
     dk_desc = desc(dk, cfg.block_n)
     args = (*(inputs or input_descriptors(q, k, v, do, params, cfg, "bwd_kv")), dk_desc, desc(dv, cfg.block_n), lse,
@@ -446,22 +449,22 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
     # split_kv: dV (PART 1), then dK (PART 2); the second part's scan finds what the first's did
     for part in (1, 2) if cfg.split_kv else (0,):
         for second in ((False,) if lse_lo is None else (False, True)):
-            launch(dkdv, grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_M=cfg.block_m,
-                   BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap, VARLEN=params.is_varlen,
-                   HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, PART=part,
-                   FUSED_DQ=dq_acc is not None, num_warps=cfg.num_warps)
+            rec.launch(dkdv, grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_M=cfg.block_m,
+                       BLOCK_N=cfg.block_n, D=D, STAGES=max(2, cfg.num_stages), PIPE=cfg.overlap,
+                       VARLEN=params.is_varlen, HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready,
+                       PART=part, FUSED_DQ=dq_acc is not None, num_warps=cfg.num_warps)
     return dk, dv
 
 
 def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None, o=None,
-                     dlse=None, lse_lo=None, far=None):
+                     dlse=None, lse_lo=None, far=None, rec=replay.DIRECT):
     """dQ [B, Sq, Hq, D] for a call in the Gluon backward's scope (`inputs` as for dK/dV).  With
     `o` (unit last stride), the kernel also computes delta = rowsum(o * dO) - dlse into `delta`
     for the dK/dV kernel launched after it (no preprocess kernel); else it reads `delta`.  With
     `far` (`far_flags`), it also marks the GQA groups the dK/dV kernel must redo with lse_lo."""
     _, dq_kernel = _bwd_kernels()
     Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dq = rec.fresh(torch.empty, q.shape, dtype=q.dtype, device=q.device)
     B, desc, s_lb, s_lh, cu_q, cu_k, order, Sq, Sk, tot_q, tot_k, offset, br = _sequences(q, k, params, order, lse)
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
     here = o is not None
@@ -479,8 +482,8 @@ def attention_bwd_dq(q, k, v, do, lse, delta, params: AttnParams, cfg, order=Non
                   VARLEN=params.is_varlen, DELTA_HERE=here, HAS_DLSE=here and dlse is not None,
                   HAS_LO=lse_lo is not None, FAR_OUT=far is not None)
     if ws:
-        launch(_ws_dq_kernel(), grid, *args, **common, PINGPONG=cfg.pingpong, CONSUMER_REGS=_WS_REGS[0],
-               LOADER_REGS=_WS_REGS[1], num_warps=4)
+        rec.launch(_ws_dq_kernel(), grid, *args, **common, PINGPONG=cfg.pingpong, CONSUMER_REGS=_WS_REGS[0],
+                   LOADER_REGS=_WS_REGS[1], num_warps=4)
     else:
-        launch(dq_kernel, grid, *args, **common, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps)
+        rec.launch(dq_kernel, grid, *args, **common, BLOCK_M=cfg.block_m, num_warps=cfg.num_warps)
     return dq

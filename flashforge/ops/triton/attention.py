@@ -162,14 +162,26 @@ def _batch_and_lengths(q, k, params: AttnParams):
 
 def attention_forward(q, k, v, mask, params: AttnParams, lse_lo=None):
     """(o, lse); with ``lse_lo`` (float32, lse's shape) also its low part (`flashforge.ops.params`)."""
-    if params.seqlens_k is not None and mask is None and q.device.type == "cuda" and replay.usable():
-        # a KV-cache call (decoding: host-bound, repeated with one shape): replayed from a plan
-        # (ops/replay.py) keyed by everything this launcher reads but the tensors' addresses
+    if _planned(q, mask, params, lse_lo):
+        # replayed from a plan (ops/replay.py) keyed by everything this launcher reads but the
+        # tensors' addresses: a KV-cache call (decoding: host-bound, repeated with one shape), or,
+        # with replay.TRAINING, a training step's (the grid's S = 1k rows are bound by the host)
         key, named = replay.signature(
             ("attention_forward", generation(), replay.generation[0], q.device, torch.cuda.current_device()),
-            dict(q=q, k=k, v=v), params)
-        return replay.call(key, named, lambda rec: _forward(q, k, v, None, params, rec))
+            dict(q=q, k=k, v=v, lse_lo=lse_lo), params)
+        return replay.call(key, named, lambda rec: _forward(q, k, v, None, params, rec, lse_lo))
     return _forward(q, k, v, mask, params, replay.DIRECT, lse_lo)
+
+
+def _planned(q, mask, params: AttnParams, lse_lo) -> bool:
+    """Whether a call goes through a launch plan: on a GPU, plans usable, no mask (the backward's
+    dmask and the masks' own paths are not written for plans), no dropout (its seed changes every
+    call, and so would the key), and training plans on unless it is a KV-cache call."""
+    if q.device.type != "cuda" or mask is not None or params.has_dropout or not replay.usable():
+        return False
+    if lse_lo is not None and max(1, params.num_splits) > 1:  # (_forward zeroes lse_lo in place there)
+        return False
+    return params.seqlens_k is not None or replay.TRAINING
 
 
 def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
@@ -189,7 +201,7 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
             why = gluon_attention.forward_reason(q, k, v, mask, params, g_cfg, _arch(q))
             if why is None:
                 return gluon_attention.attention_forward(q, k, v, params, g_cfg, _longest_first(params, None),
-                                                         lse_lo)
+                                                         lse_lo, rec)
             explain("forward", "portable kernel", why)
     else:
         explain("forward", "portable kernel", "the Triton interpreter (TRITON_INTERPRET=1)")
@@ -312,6 +324,18 @@ def _gluon_backward(q, k, v, do, lse, mask, params: AttnParams, cfg_kv, cfg_q, a
 
 
 def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dmask: bool, lse_lo=None):
+    """(dq, dk, dv, dmask).  Through a launch plan where `_planned` allows (ops/replay.py: the
+    dense Gluon pair's launches; the other paths bypass the recorder, so they are never planned)."""
+    if not need_dmask and _planned(q, mask, params, lse_lo):
+        key, named = replay.signature(
+            ("attention_backward", generation(), replay.generation[0], q.device, torch.cuda.current_device()),
+            dict(do=do, dlse=dlse, q=q, k=k, v=v, o=o, lse=lse, lse_lo=lse_lo), params)
+        return replay.call(key, named, lambda rec: _backward(rec, do, dlse, q, k, v, None, o, lse, params, False,
+                                                               lse_lo))
+    return _backward(replay.DIRECT, do, dlse, q, k, v, mask, o, lse, params, need_dmask, lse_lo)
+
+
+def _backward(rec, do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dmask: bool, lse_lo=None):
     _, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     B, max_sq, max_sk = _batch_and_lengths(q, k, params)
@@ -331,7 +355,9 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
 
     offsets = params.offset_tensor if params.offset_tensor is not None else q  # (q: a placeholder pointer)
     order = _longest_first(params, offsets)
-    delta = torch.empty_like(lse)
+    # (contiguous, as the Gluon kernels require: a recipe a plan can repeat)
+    delta = rec.fresh(torch.empty, lse.shape, dtype=lse.dtype, device=lse.device) if lse.is_contiguous() else \
+        torch.empty_like(lse)
     # the Gluon dK/dV kernel computes dQ too (its adds come in varying order: not when asked to be deterministic)
     gluon_fused = g_kv is not None and gluon_attention.fuses_dq(g_kv, max(D, Dv), params)
     if g_kv is not None and g_q is not None and o.stride(-1) == 1 and not gluon_fused:  # the common dense case
@@ -340,11 +366,11 @@ def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need
             shared = gluon_attention.input_descriptors(q, k, v, do, params, g_kv, "bwd_kv")
         # dQ first: it also computes delta = rowsum(o * dO) - dlse, which the dK/dV kernel reads
         # (and, with lse_lo, which GQA groups have a row far from 0: the dK/dV kernel's scan, done once)
-        far = gluon_attention.far_flags(q, k, params, lse_lo)
+        far = gluon_attention.far_flags(q, k, params, lse_lo, rec)
         dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order, shared, o, dlse,
-                                              lse_lo=lse_lo, far=far)
+                                              lse_lo=lse_lo, far=far, rec=rec)
         dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order, shared,
-                                                    lse_lo=lse_lo, far=far)
+                                                    lse_lo=lse_lo, far=far, rec=rec)
         return dq, dk, dv, None
 
     # delta = rowsum(o * dO) - dlse (the portable kernel serves every other call)
