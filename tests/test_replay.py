@@ -202,8 +202,14 @@ def _same_launch(a, b, mine: dict, pairs: dict):
     return True
 
 
-@pytest.mark.parametrize("causal, lo", [(False, False), (True, True)])
-def test_training_launchers_replay_what_they_launch(monkeypatch, causal, lo):
+@pytest.mark.parametrize("D, Hkv, lo, kw", [
+    (64, 2, False, {}),
+    (64, 1, True, dict(window_right=0)),  # causal, GQA, lse_lo's two dK/dV launches and far flags
+    (128, 2, False, dict(window_left=100, window_right=0, softcap=20.0)),  # the WS forward
+    (128, 2, True, dict(window_right=0, deterministic=True)),
+    (256, 2, False, {}),  # dV and dK in two launches
+])
+def test_training_launchers_replay_what_they_launch(monkeypatch, D, Hkv, lo, kw):
     """The sm_90 training launchers (the Gluon forward and the ordered Gluon backward, on CPU
     tensors with sm_90 asked for): their plans serve from the third call, and each replayed launch
     has the arguments the launcher itself would pass for that call."""
@@ -215,15 +221,16 @@ def test_training_launchers_replay_what_they_launch(monkeypatch, causal, lo):
     fake = _Fake(monkeypatch)
     monkeypatch.setattr(L, "_interpreting", lambda q: False)
     monkeypatch.setattr(L, "_arch", lambda q: (9, 0))
-    p = AttnParams(scale=0.125, window_right=0 if causal else -1)
+    p = AttnParams(scale=D ** -0.5, **kw)
     for step in range(3):
-        q, k, v, do = (torch.randn(2, 256, 2, 64).to(torch.bfloat16) for _ in range(4))
+        q, do = (torch.randn(2, 256, 2, D).to(torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(2, 256, Hkv, D).to(torch.bfloat16) for _ in range(2))
         lse_lo = torch.empty(2, 2, 256) if lo else None
         n0 = len(fake.launched)
-        o, lse = replay.call(("fwd", causal, lo), dict(q=q, k=k, v=v, lse_lo=lse_lo),
+        o, lse = replay.call("fwd", dict(q=q, k=k, v=v, lse_lo=lse_lo),
                              lambda rec: L._forward(q, k, v, None, p, rec, lse_lo))
         n1 = len(fake.launched)
-        grads = replay.call(("bwd", causal, lo), dict(do=do, dlse=None, q=q, k=k, v=v, o=o, lse=lse, lse_lo=lse_lo),
+        grads = replay.call("bwd", dict(do=do, dlse=None, q=q, k=k, v=v, o=o, lse=lse, lse_lo=lse_lo),
                             lambda rec: L._backward(rec, do, None, q, k, v, None, o, lse, p, False, lse_lo))
         got_fwd, got_bwd = fake.launched[n0:n1], fake.launched[n1:]
         assert len(got_fwd) == 1 and len(got_bwd) >= 2
@@ -242,3 +249,31 @@ def test_training_launchers_replay_what_they_launch(monkeypatch, causal, lo):
             name = getattr(getattr(kern_b, "fn", kern_b), "__name__", kern_b)
             assert kern_a is kern_b, name
             assert _same_launch(args_a, list(args_b), mine, pairs), name
+
+
+def test_fused_training_backward_is_never_planned(monkeypatch):
+    """The warp-specialized backward with dQ fused (the table's, from 8192 keys) makes its float32
+    accumulator and converts it outside the recorder: its key is never planned (each call takes
+    the launcher's own path), rather than replayed without them."""
+    gluon = pytest.importorskip("flashforge.ops.gluon.attention")
+    if gluon._kernel() is None or gluon._bwd_kernels() is None:
+        pytest.skip("this Triton has no Gluon for Hopper")
+    from flashforge.ops.params import AttnParams
+    from flashforge.ops.triton import attention as L
+    from flashforge.ops.triton import configs
+    ws = configs.gluon_config(64, 2, False, (9, 0), "bwd_kv_ws")
+    fake = _Fake(monkeypatch)
+    monkeypatch.setattr(L, "_interpreting", lambda q: False)
+    monkeypatch.setattr(L, "_arch", lambda q: (9, 0))
+    monkeypatch.setattr(gluon, "_reduce_ready", lambda: True)
+    p = AttnParams(scale=0.125)
+    S = ws.min_keys
+    for _ in range(3):
+        q, k, v, do, o = (torch.randn(1, S, 1, 64).to(torch.bfloat16) for _ in range(5))
+        lse = torch.randn(1, 1, S)
+        n0 = len(fake.launched)
+        replay.call("bwd", dict(do=do, dlse=None, q=q, k=k, v=v, o=o, lse=lse, lse_lo=None),
+                    lambda rec: L._backward(rec, do, None, q, k, v, None, o, lse, p, False, None))
+        names = [getattr(getattr(kern, "fn", kern), "__name__", kern) for _, kern, _ in fake.launched[n0:]]
+        assert "attn_bwd_dkdv_ws_sm90_kernel" in names and all(kind == "launch" for kind, _, _ in fake.launched[n0:])
+    assert replay._plans["bwd"] is replay._NEVER
