@@ -11,7 +11,9 @@ pair (RESULTS.md v0.8.9).  Here:
   copies each query tile once for 128 keys;
 - each consumer computes, per query tile, S = Q K_c^T and dP = dO V_c^T (queries by keys, so
   lse and delta cost two registers a thread, not sixteen), then P and dS into shared memory,
-  dV += P^T dO, dK += dS^T Q, and dQ_t = dS K_c in 32-column parts into its dQ buffer;
+  dV += P^T dO, dK += dS^T Q, and dQ_t = dS K_c, one product D wide stored as 32-column float32
+  boxes into its dQ buffer (SHARED_DQ: consumer t % 2 computes tile t's over both halves' keys,
+  `_kv_consumer`);
 - a writer warp hands each consumer's buffer to the copy engine's reduce-add (into the zeroed
   float32 accumulator) and waits for it to be read, so no consumer waits on a reduce.
 
@@ -20,11 +22,13 @@ consumer's keys do not see is masked whole there (P = dS = 0).  lse's low part: 
 scheme of `attn_bwd_dkdv_sm90_kernel` (LO_PASS).  Scope: D <= 128, 64-row query tiles, not
 deterministic (the adds come in varying order), no split of dK and dV.
 
-Where it stands (H200, bf16, RESULTS.md v0.9.1): opt-in (bwd_kv `TileConfig(64, 128, 4, 2,
-gluon=True, consumers=2, fused_dq=True)`), not in the table.  Against the table's ordered pair it
-measured 1.00-1.08x on the backward at S >= 4k (D = 64 S16k causal 360 vs 333 TFLOP/s) and
-0.43-0.88x at S = 1k, where the step is host-bound.  Ablations put the rest in shared-memory
-traffic: without the dQ product it ran 1.2-1.3x, without the reduce-adds 1.03-1.19x.
+Where it stands (H200, bf16, RESULTS.md v0.9.1, v0.9.2): with SHARED_DQ the table's
+backward for calls with >= 8192 keys and no narrower window, not deterministic (the "bwd_kv_ws"
+entries, `triton/attention._long_bwd_kv`): 1.05-1.13x the ordered pair's backward at S = 8k and 16k
+(D = 64 S16k causal 386 against 341 TFLOP/s, D = 128 S16k 498 against 452), level at 4k, 0.82-0.89x
+at 1k, 0.85x with a causal 1023 window.  Without SHARED_DQ (each consumer its own dQ over its 64
+keys, opt-in) 1.00-1.08x at S >= 4k.  Ablations put the rest in shared-memory traffic: without the
+dQ product it ran 1.2-1.3x, without the reduce-adds 1.03-1.19x.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

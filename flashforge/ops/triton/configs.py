@@ -53,9 +53,10 @@ class TileConfig:
     # gluon bwd_kv only: overlap a query tile's element-wise work with the previous tile's
     # dV / dK products (more live registers); False: one tile at a time
     overlap: bool = True
-    # gluon forward and bwd_q: 2 runs the warp-specialized kernel (ops/gluon/attention_fwd_ws_sm90.py,
+    # gluon: 2 runs the warp-specialized kernel (ops/gluon/attention_fwd_ws_sm90.py,
     # attention_bwd_dq_ws_sm90.py: a loader warp and two consumer warpgroups sharing each K/V
-    # tile), block_m = 128 query rows a program and num_warps = 4 (one consumer's)
+    # tile, block_m = 128 query rows a program and num_warps = 4, one consumer's; bwd_kv:
+    # attention_bwd_dkdv_ws_sm90.py, dQ fused, block_n = 128 keys, block_m = 64 query rows a tile)
     consumers: int = 1
     # consumers = 2 only: the two take turns issuing their products (FA3's ping-pong)
     pingpong: bool = False
