@@ -381,3 +381,13 @@ def test_long_backward_takes_the_warp_specialized_kernel(D):
     g_kv, _ = launchers._gluon_backward(q, q, q, q, torch.empty(1, 2, ws.min_keys), None, _params(), forced, cfg_q,
                                         (9, 0), None)
     assert g_kv == forced
+
+
+def test_register_operand_ws_backward_is_for_d64_only():
+    """rs (P^T and dS^T as register operands) serves D = 64; at D = 128 ptxas serializes its
+    products, so the launcher takes the portable dK/dV kernel there."""
+    rs = TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True, rs=True)
+    assert gluon_attention.bwd_tiles_fit("bwd_kv", rs, 64)
+    assert not gluon_attention.bwd_tiles_fit("bwd_kv", rs, 128)
+    assert gluon_attention.bwd_tiles_fit("bwd_kv", TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True,
+                                                              shared_dq=True), 128)

@@ -294,6 +294,12 @@ BWD_VARIANTS = {
                               TC(64, 64, 4, 3, gluon=True)),
     "kv-ws-fused-shared-s3": (TC(64, 128, 4, 3, gluon=True, consumers=2, fused_dq=True, shared_dq=True),
                               TC(64, 64, 4, 3, gluon=True)),
+    # ... with the scores keys by queries and P^T, dS^T as register operands (rs: D = 64 only; at
+    # D = 128 these take the portable dK/dV kernel)
+    "kv-ws-fused-rs-s2": (TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, rs=True),
+                          TC(64, 64, 4, 3, gluon=True)),
+    "kv-ws-fused-shared-rs-s2": (TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True, rs=True),
+                                 TC(64, 64, 4, 3, gluon=True)),
 }
 
 

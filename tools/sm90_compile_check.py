@@ -286,11 +286,13 @@ def record(quick: bool):
                 run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
                     window_right=0, offset_bottom_right=True)
         # the warp-specialized dK/dV kernel, dQ fused (BWD_VARIANTS "kv-ws-fused-...")
-        for stages, shared in ((2, False), (3, False), (2, True), (3, True)):
-            ws_kv = configs.TileConfig(64, 128, 4, stages, gluon=True, consumers=2, fused_dq=True, shared_dq=shared)
+        for stages, shared, rs in ((2, False, False), (3, False, False), (2, True, False), (3, True, False),
+                                   (2, False, True), (2, True, True)):
+            ws_kv = configs.TileConfig(64, 128, 4, stages, gluon=True, consumers=2, fused_dq=True, shared_dq=shared,
+                                       rs=rs)
             launchers.get_config = lambda kind, d, e, interpret, ws_kv=ws_kv, **kw: (
                 ws_kv if kind == "bwd_kv" else real_get(kind, d, e, False, **kw))
-            for D in (64, 128) if gluon_launcher.ws_dkdv_shared_bytes(ws_kv, 128) <= SMEM_LIMIT else (64,):
+            for D in (64, 128) if gluon_launcher.bwd_tiles_fit("bwd_kv", ws_kv, 128) else (64,):
                 run(D=D)
                 run(D=D, window_left=40, window_right=0, softcap=20.0, dtype=torch.float16)
                 run(D=D, window_right=0, lo=False, alibi_slopes=torch.rand(2, 4))

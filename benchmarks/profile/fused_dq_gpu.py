@@ -44,6 +44,8 @@ VARIANTS = {
          "ws 2x64 keys s3": TC(64, 128, 4, 3, gluon=True, consumers=2, fused_dq=True),
          "ws shared dq s2": TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True),
          "ws shared dq s3": TC(64, 128, 4, 3, gluon=True, consumers=2, fused_dq=True, shared_dq=True),
+         "ws rs s2": TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, rs=True),
+         "ws shared rs s2": TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True, rs=True),
          "64x64 4w overlap s3": TC(64, 64, 4, 3, gluon=True, fused_dq=True),
          "64x128 8w overlap s2": TC(64, 128, 8, 2, gluon=True, fused_dq=True),
          "64x64 4w one-at-a-time s3": TC(64, 64, 4, 3, gluon=True, overlap=False, fused_dq=True),

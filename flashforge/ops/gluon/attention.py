@@ -287,7 +287,8 @@ def bwd_tiles_fit(kind: str, cfg, head_dim: int) -> bool:
     if cfg.consumers == 2:  # the warp-specialized kernels: two 64-row consumers of 4 warps
         if kind == "bwd_kv":  # (dQ fused: `fuses_dq` says where it serves)
             return cfg.block_n == 128 and cfg.block_m == 64 and cfg.num_warps == 4 and head_dim <= 128 and \
-                not cfg.split_kv and ws_dkdv_shared_bytes(cfg, head_dim) <= _SMEM_SM90
+                not cfg.split_kv and ws_dkdv_shared_bytes(cfg, head_dim) <= _SMEM_SM90 and \
+                (not cfg.rs or head_dim == 64)  # (rs: register operands, D = 64 only)
         return cfg.block_m == 128 and cfg.num_warps == 4 and ws_shared_bytes(cfg, head_dim, resident=2) <= _SMEM_SM90
     return (cfg.block_n if kind == "bwd_kv" else cfg.block_m) == 16 * cfg.num_warps
 
@@ -439,7 +440,8 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
             rec.launch(_ws_dkdv_kernel(), grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags,
                        BLOCK_M=cfg.block_m, D=D, STAGES=max(2, cfg.num_stages), VARLEN=params.is_varlen,
                        HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, CONSUMER_REGS=_WS_REGS[0],
-                       LOADER_REGS=_WS_REGS[1], SHARED_DQ=cfg.shared_dq, num_warps=4)
+                       LOADER_REGS=_WS_REGS[1], SHARED_DQ=cfg.shared_dq, RS=cfg.rs,
+                       num_warps=4)
         return dk, dv
     dk_desc = desc(dk, cfg.block_n)
     args = (*(inputs or input_descriptors(q, k, v, do, params, cfg, "bwd_kv")), dk_desc, desc(dv, cfg.block_n), lse,

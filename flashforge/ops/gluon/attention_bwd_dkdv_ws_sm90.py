@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
-from .attention_bwd_sm90 import _lo_needed, _row_stats, p_and_ds
+from .attention_bwd_sm90 import _dst_tile, _lo_needed, _row_stats, p_and_ds
 from .ws_pipeline import HALF
 from .pipeline import copy_out, copy_pair, key_block, query_window, reduce_out, slot, wait
 from .rounding import fused_score
@@ -77,20 +77,9 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
     NP: gl.constexpr = D // DQ_N
     gl.static_assert((NP == 2) or (NP == 4), "D = 64 or 128: two or four float32 boxes of dQ")
 
-    nc = n0 + ME * HALF
-    # this half's masks over the block's query tiles: the causal diagonal crosses tiles before
-    # mt_full (tiles wholly before these keys are masked whole), a window's left edge those from n_lfull
-    if CAUSAL:
-        mt_full = gl.maximum(gl.cdiv(gl.maximum(nc + HALF - 1 - offset, 0), BLOCK_M), mt_lo)
-        n_masked_c = gl.minimum(mt_full - mt_lo, n_mt)
-    else:
-        n_masked_c = n_masked
-    if HAS_WL:
-        n_lfull_c = gl.maximum(nc - offset + span + 1, 0) // BLOCK_M - mt_lo
-    else:
-        n_lfull_c = n_lfull
+    nc, n_masked_c, n_lfull_c, tail = _half_masks(n0, n_masked, n_lfull, Sk, offset, span, n_mt, mt_lo, ME, CAUSAL,
+                                                  HAS_WL, BLOCK_M)
     n_mt_div = gl.maximum(n_mt, 1)
-    tail = nc + HALF > Sk  # this half's keys cross the sequence's end
     s_zero = gl.zeros([BLOCK_M, HALF], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
     # (as in-flight accumulators: each tile's dK and dV products retire at the next tile's wait)
@@ -135,8 +124,7 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
                              alibi_off, s_layout, False, CAUSAL, HAS_WL, HALF, USE_LO, FUSE, HAS_SOFTCAP, HAS_ALIBI)
         if SHARED_DQ:
             p_smem.store(p.to(dtype))
-            if (t % 2 == ME) & (t > 0):  # the other consumer's dQ of tile t - 1 read this dS
-                mbarrier.wait(ds_free, ((t + ME) // 2 - 1) & 1)
+            _ds_wait_free(ds_free, t, ME, SHARED_DQ)
             ds_smem.store(ds.to(dtype))
             fence_async_shared()
             mbarrier.arrive(ds_ready, count=1)
@@ -167,12 +155,150 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
             dq = warpgroup_mma_wait(2, deps=(dq, ))
             _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t, BLOCK_M, D, DQ_N)
     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-    if T > 0:
-        mbarrier.arrive(empty.index((T - 1) % STAGES), count=1)  # the last tile's Q and dO are read
+    _dkdv_out(dk, dv, dk_desc, dv_desc, k_smem, v_smem, empty, ds_free, b, nc, hk, k_start, Sk, T, scale, ME, D,
+              STAGES, VARLEN, SHARED_DQ, True)
+
+
+@gluon.jit
+def _rs_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
+                 dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
+                 n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
+                 ME: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                 HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                 VARLEN: gl.constexpr, USE_LO: gl.constexpr, DQ_N: gl.constexpr, k_other, kv_bar_other,
+                 ds_other, ds_ready, ds_free, ds_free_other, SHARED_DQ: gl.constexpr):
+    """`_kv_consumer`'s work with the scores formed keys by queries (S^T = K Q^T, as the
+    one-warpgroup dK/dV kernel forms them): P^T and dS^T stay in registers as the A operands of
+    dV += P^T dO and dK += dS^T Q (FA3's register-operand products), and only dS^T goes through
+    shared memory, for dQ_t = dS K (its transpose, read as the A operand).  A consumer's shared-memory
+    traffic a tile drops by P's store and two A-operand reads (~24 of ~120 KB at D = 64); lse, its
+    low part and delta cost sixteen registers a thread each.  D = 64 only: at D = 128 the two
+    [64, 128] float32 accumulators and the register operands leave ptxas no room, and it
+    serializes the products (tools/sm90_compile_check.py --wgmma).  The register operands of a
+    tile's dV and dK products are carried to the next tile's wait and named in it, so that ptxas
+    sees them live until those products retire (without that it serialized every variant)."""
+    dtype: gl.constexpr = k_smem.dtype
+    FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+    gl.static_assert(D == 64, "the register-operand consumer is for D = 64")
+    # S^T / dP^T: [keys, queries]; dK / dV: [keys, D]; dQ_t: [queries, D]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    nc, n_masked_c, n_lfull_c, tail = _half_masks(n0, n_masked, n_lfull, Sk, offset, span, n_mt, mt_lo, ME, CAUSAL,
+                                                  HAS_WL, BLOCK_M)
+    n_mt_div = gl.maximum(n_mt, 1)
+    o_n = nc + gl.arange(0, HALF, layout=row_s)
+    s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
+    dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    k_t = k_smem.reshape([HALF, D])
+    v_t = v_smem.reshape([HALF, D])
+    if SHARED_DQ:
+        mbarrier.wait(kv_bar_other, 0)
+        k_o = k_other.reshape([HALF, D])
+    for t in range(T):
+        wait(ready, t, STAGES)
+        q_s = slot(q_ring, t, BLOCK_M, D, STAGES)
+        do_s = slot(do_ring, t, BLOCK_M, D, STAGES)
+        st = warpgroup_mma(k_t, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_t, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+        i = t - (t // n_mt_div) * n_mt_div
+        if HAS_WL:
+            edge = (i < n_masked_c) | (i >= n_lfull_c) | tail
+        else:
+            edge = (i < n_masked_c) | tail
+        if edge:
+            pt, dst = _dst_tile(st, dpt, t, n_mt_div, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span,
+                                qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL,
+                                HAS_WL, HAS_SOFTCAP, HAS_ALIBI, True, BLOCK_M, USE_LO, FUSE=FUSE, Sk=Sk,
+                                SK_MASK=True)
+        else:
+            pt, dst = _dst_tile(st, dpt, t, n_mt_div, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span,
+                                qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL,
+                                HAS_WL, HAS_SOFTCAP, HAS_ALIBI, False, BLOCK_M, USE_LO, FUSE=FUSE)
+        dst16 = dst.to(dtype)
+        _ds_wait_free(ds_free, t, ME, SHARED_DQ)
+        ds_smem.store(dst16)
+        fence_async_shared()
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dst_op = gl.convert_layout(dst16, op_layout)
+        # one tile at a time (its products retire before the next tile's scores: in flight across
+        # tiles, their register operands left ptxas short of registers and it serialized them);
+        # the other consumer's products fill the tensor cores meanwhile
+        if SHARED_DQ:
+            mbarrier.arrive(ds_ready, count=1)
+            if t % 2 == ME:
+                mbarrier.wait(ds_ready, t & 1)
+                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_t, dq_zero, use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds_other.permute((1, 0)), k_o, dq, is_async=True)
+                dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+                dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
+                dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk, pt_op, dst_op))
+                mbarrier.arrive(ds_free_other, count=1)
+                mbarrier.arrive(empty.index(t % STAGES), count=1)
+                _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t // 2, BLOCK_M, D, DQ_N)
+            else:
+                dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+                dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+                mbarrier.arrive(empty.index(t % STAGES), count=1)
+        else:
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_t, dq_zero, use_acc=False, is_async=True)
+            dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+            dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
+            dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk, pt_op, dst_op))
+            mbarrier.arrive(empty.index(t % STAGES), count=1)
+            _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t, BLOCK_M, D, DQ_N)
+    _dkdv_out(dk, dv, dk_desc, dv_desc, k_smem, v_smem, empty, ds_free, b, nc, hk, k_start, Sk, T, scale, ME, D,
+              STAGES, VARLEN, SHARED_DQ, False)
+
+
+@gluon.jit
+def _half_masks(n0, n_masked, n_lfull, Sk, offset, span, n_mt, mt_lo, ME: gl.constexpr, CAUSAL: gl.constexpr,
+                HAS_WL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(first key, masked query tiles before, first masked one after, keys cross Sk) of consumer
+    ME's half: the causal diagonal crosses the tiles before n_masked (tiles wholly before these keys
+    are masked whole), a window's left edge those from n_lfull on."""
+    nc = n0 + ME * HALF
+    if CAUSAL:
+        mt_full = gl.maximum(gl.cdiv(gl.maximum(nc + HALF - 1 - offset, 0), BLOCK_M), mt_lo)
+        n_masked_c = gl.minimum(mt_full - mt_lo, n_mt)
+    else:
+        n_masked_c = n_masked
+    if HAS_WL:
+        n_lfull_c = gl.maximum(nc - offset + span + 1, 0) // BLOCK_M - mt_lo
+    else:
+        n_lfull_c = n_lfull
+    return nc, n_masked_c, n_lfull_c, nc + HALF > Sk
+
+
+@gluon.jit
+def _ds_wait_free(ds_free, t, ME: gl.constexpr, SHARED_DQ: gl.constexpr):
+    # SHARED_DQ: before writing tile t's dS, the other consumer's dQ of tile t - 1 must have read it
+    if SHARED_DQ:
+        if (t % 2 == ME) & (t > 0):
+            mbarrier.wait(ds_free, ((t + ME) // 2 - 1) & 1)
+
+
+@gluon.jit
+def _dkdv_out(dk, dv, dk_desc, dv_desc, k_smem, v_smem, empty, ds_free, b, nc, hk, k_start, Sk, T, scale,
+              ME: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, SHARED_DQ: gl.constexpr,
+              RELEASE_LAST: gl.constexpr):
+    """The last tile's Q and dO slot released (RELEASE_LAST: not yet); dK, dV through K's and
+    V's buffers (read no more) and TMA, which clips rows past Sk."""
+    dtype: gl.constexpr = k_smem.dtype
+    if RELEASE_LAST:
+        if T > 0:
+            mbarrier.arrive(empty.index((T - 1) % STAGES), count=1)
     if SHARED_DQ:
         if (T > 0) & ((T - 1) % 2 != ME):  # K's buffer takes dK: the other's last dQ must have read it
             mbarrier.wait(ds_free, ((T + ME) // 2 - 1) & 1)
-    # dK, dV through K's and V's buffers (read no more) and TMA, which clips rows past Sk
     k_smem.reshape([HALF, D]).store((dk * scale).to(dtype))
     v_smem.reshape([HALF, D]).store(dv.to(dtype))
     fence_async_shared()
@@ -204,19 +330,43 @@ def _store_dq(dq, dq_smem, dq_full, dq_empty, use, BLOCK_M: gl.constexpr, D: gl.
 
 
 @gluon.jit
+def _consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
+              dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
+              n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
+              ME: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+              HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+              VARLEN: gl.constexpr, USE_LO: gl.constexpr, DQ_N: gl.constexpr, p_smem, k_other, kv_bar_other,
+              ds_other, ds_ready, ds_free, ds_free_other, SHARED_DQ: gl.constexpr, RS: gl.constexpr):
+    # consumer ME: scores keys by queries with register operands (RS, `_rs_consumer`), else
+    # queries by keys (`_kv_consumer`)
+    if RS:
+        _rs_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty,
+                     ds_smem, dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T,
+                     n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh,
+                     alibi_off, ME, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N,
+                     k_other, kv_bar_other, ds_other, ds_ready, ds_free, ds_free_other, SHARED_DQ)
+    else:
+        _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty,
+                     ds_smem, dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T,
+                     n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh,
+                     alibi_off, ME, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N,
+                     p_smem, k_other, kv_bar_other, ds_other, ds_ready, ds_free, ds_free_other, SHARED_DQ)
+
+
+@gluon.jit
 def _kv_consumer1(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
                   dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
                   n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
                   CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                   BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr,
                   USE_LO: gl.constexpr, DQ_N: gl.constexpr, p_smem, k_other, kv_bar_other, ds_other, ds_ready,
-                  ds_free, ds_free_other, SHARED_DQ: gl.constexpr):
+                  ds_free, ds_free_other, SHARED_DQ: gl.constexpr, RS: gl.constexpr):
     # the second half's keys, in a worker partition
-    _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
+    _consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, ds_smem,
                  dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo,
                  n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, 1, CAUSAL,
                  HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem, k_other,
-                 kv_bar_other, ds_other, ds_ready, ds_free, ds_free_other, SHARED_DQ)
+                 kv_bar_other, ds_other, ds_ready, ds_free, ds_free_other, SHARED_DQ, RS)
 
 
 @gluon.jit
@@ -279,7 +429,8 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
                                  HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
                                  STAGES: gl.constexpr, VARLEN: gl.constexpr, HAS_LO: gl.constexpr,
                                  LO_PASS: gl.constexpr, FAR_READY: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                 LOADER_REGS: gl.constexpr, SHARED_DQ: gl.constexpr, num_warps: gl.constexpr):
+                                 LOADER_REGS: gl.constexpr, SHARED_DQ: gl.constexpr, RS: gl.constexpr,
+                                 num_warps: gl.constexpr):
     """dK, dV of one 128-key block and its adds to dQ (the arguments mean attn_bwd_dkdv_sm90_kernel's
     with FUSED_DQ and PART 0; k, v, dK, dV boxes are one consumer's 64 rows).  With lse_lo, two
     launches: the first (LO_PASS=False) leaves the blocks of GQA groups with a row far from 0 to
@@ -350,20 +501,20 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
 
     if active:
         gl.warp_specialize([
-            (_kv_consumer, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem0, v_smem0, kv_bars.index(0), q_ring, do_ring,
+            (_consumer, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem0, v_smem0, kv_bars.index(0), q_ring, do_ring,
                             ready, empty, ds_smem0, dq_smem0, dq_full.index(0), dq_empty.index(0), b, hk, group, n0,
                             k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b,
                             stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, 0, CAUSAL, HAS_WL,
                             HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem0, k_smem1,
                             kv_bars.index(1), ds_smem1, ds_bars.index(2), ds_bars.index(0), ds_bars.index(1),
-                            SHARED_DQ)),
+                            SHARED_DQ, RS)),
             (_kv_consumer1, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem1, v_smem1, kv_bars.index(1), q_ring, do_ring,
                              ready, empty, ds_smem1, dq_smem1, dq_full.index(1), dq_empty.index(1), b, hk, group, n0,
                              k_start, Sk, q_start, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b,
                              stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off, CAUSAL, HAS_WL,
                              HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, p_smem1, k_smem0,
                              kv_bars.index(0), ds_smem0, ds_bars.index(2), ds_bars.index(1), ds_bars.index(0),
-                             SHARED_DQ)),
+                             SHARED_DQ, RS)),
             (_kv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring,
                           do_ring, ready, empty, b, hk, group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M,
                           STAGES, VARLEN)),

@@ -63,6 +63,9 @@ class TileConfig:
     # bwd_kv, consumers = 2 only: a query tile's dQ_t is one product over the block's 128 keys,
     # the consumers taking turns (one float32 buffer and one set of reduce-adds a tile, not two)
     shared_dq: bool = False
+    # bwd_kv, consumers = 2, D = 64 only: scores keys by queries, P^T and dS^T as register A
+    # operands of dV and dK (only dS^T through shared memory); opt-in, not yet run on a GPU
+    rs: bool = False
 
 
 # (pass, head-dim bucket, bytes per element) -> config, one table per GPU architecture.
