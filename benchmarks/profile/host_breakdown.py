@@ -15,6 +15,7 @@ import time
 import torch
 
 import flashforge
+from flashforge.ops import launch as launch_mod
 from flashforge.ops.gluon import attention as gluon_attention
 from flashforge.ops.triton import attention as launchers
 from short_calls import host_us  # this folder is on sys.path when run as a script
@@ -77,22 +78,23 @@ def main():
             entry[1] += 1
         return wrapper
 
-    saved = (launchers.launch, gluon_attention.launch)
-    launchers.launch, gluon_attention.launch = timed(saved[0]), timed(saved[1])
+    # (the Gluon launchers launch through ops/launch.py's `launch`, looked up at each call: ops/replay.py)
+    saved = (launchers.launch, launch_mod.launch)
+    launchers.launch, launch_mod.launch = timed(saved[0]), timed(saved[1])
     try:
         host_us(fwdbwd)
     finally:
-        launchers.launch, gluon_attention.launch = saved
+        launchers.launch, launch_mod.launch = saved
     for name, (sec, calls) in sorted(spent.items()):
         results.append((f"  launch of {name} inside the step", sec / calls * 1e6))
 
     # the same with no kernel launched (outputs stay unwritten: timing only)
-    real = (launchers.launch, gluon_attention.launch)
-    launchers.launch = gluon_attention.launch = lambda *a, **kw: None
+    real = (launchers.launch, launch_mod.launch)
+    launchers.launch = launch_mod.launch = lambda *a, **kw: None
     try:
         results += [("fwd, launches stubbed", host_us(fwd)), ("fwd+bwd, launches stubbed", host_us(fwdbwd))]
     finally:
-        launchers.launch, gluon_attention.launch = real
+        launchers.launch, launch_mod.launch = real
 
     # one repeated launch of the Gluon forward with the same arguments (the launch cache's path)
     captured = {}
@@ -101,11 +103,11 @@ def main():
         captured.setdefault("call", (kernel, grid, args, kw))
         return real[1](kernel, grid, *args, **kw)
 
-    gluon_attention.launch = spy
+    launch_mod.launch = spy
     try:
         fwd()
     finally:
-        gluon_attention.launch = real[1]
+        launch_mod.launch = real[1]
     if "call" in captured:
         kernel, grid, args, kw = captured["call"]
         results.append(("one Gluon forward launch (4 descriptors)", host_us(lambda: real[1](kernel, grid, *args, **kw))))
