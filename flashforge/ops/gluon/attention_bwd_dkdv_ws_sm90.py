@@ -239,20 +239,20 @@ def _rs_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
                 dq = warpgroup_mma(ds_other.permute((1, 0)), k_o, dq, is_async=True)
                 dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
                 dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
-                dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk, pt_op, dst_op))
+                dq, dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dq, dv, dk, pt_op, dst_op))
                 mbarrier.arrive(ds_free_other, count=1)
                 mbarrier.arrive(empty.index(t % STAGES), count=1)
                 _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t // 2, BLOCK_M, D, DQ_N)
             else:
                 dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
                 dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+                dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
                 mbarrier.arrive(empty.index(t % STAGES), count=1)
         else:
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_t, dq_zero, use_acc=False, is_async=True)
             dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
             dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
-            dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk, pt_op, dst_op))
+            dq, dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dq, dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(t % STAGES), count=1)
             _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t, BLOCK_M, D, DQ_N)
     _dkdv_out(dk, dv, dk_desc, dv_desc, k_smem, v_smem, empty, ds_free, b, nc, hk, k_start, Sk, T, scale, ME, D,
