@@ -85,12 +85,7 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
     # (as in-flight accumulators: each tile's dK and dV products retire at the next tile's wait)
     dk = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, layout=acc_layout))
     dv = warpgroup_mma_init(gl.zeros([HALF, D], gl.float32, layout=acc_layout))
-    mbarrier.wait(kv_bar, 0)
-    k_t = k_smem.reshape([HALF, D])
-    v_t = v_smem.reshape([HALF, D])
-    if SHARED_DQ:
-        mbarrier.wait(kv_bar_other, 0)
-        k_o = k_other.reshape([HALF, D])
+    k_t, v_t, k_o = _resident_kv(k_smem, v_smem, kv_bar, k_other, kv_bar_other, D, SHARED_DQ)
     for t in range(T):
         wait(ready, t, STAGES)
         q_s = slot(q_ring, t, BLOCK_M, D, STAGES)
@@ -108,15 +103,7 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
         s, dp, dv, dk = warpgroup_mma_wait(0, deps=(s, dp, dv, dk))
         if t > 0:
             mbarrier.arrive(empty.index((t - 1) % STAGES), count=1)
-        i = t - (t // n_mt_div) * n_mt_div  # the tile's place among its head's
-        if HAS_WL:
-            edge = (i < n_masked_c) | (i >= n_lfull_c)
-        else:
-            edge = i < n_masked_c
-        # keys past Sk (zero-filled) are masked too: their P, exp2(-lse), could overflow where lse
-        # is far below 0, and inf * 0 in dS K would put NaN into dQ
-        edge = edge | tail
-        if edge:
+        if _tile_masked(t, n_mt_div, n_masked_c, n_lfull_c, tail, HAS_WL):
             p, ds = p_and_ds(s, dp, nc, o_m, lse2, lo, delta, Sk, offset, span, qk_scale, scale, softcap, slope,
                              alibi_off, s_layout, True, CAUSAL, HAS_WL, HALF, USE_LO, FUSE, HAS_SOFTCAP, HAS_ALIBI)
         else:
@@ -195,12 +182,7 @@ def _rs_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
     dq_zero = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
     dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
-    mbarrier.wait(kv_bar, 0)
-    k_t = k_smem.reshape([HALF, D])
-    v_t = v_smem.reshape([HALF, D])
-    if SHARED_DQ:
-        mbarrier.wait(kv_bar_other, 0)
-        k_o = k_other.reshape([HALF, D])
+    k_t, v_t, k_o = _resident_kv(k_smem, v_smem, kv_bar, k_other, kv_bar_other, D, SHARED_DQ)
     for t in range(T):
         wait(ready, t, STAGES)
         q_s = slot(q_ring, t, BLOCK_M, D, STAGES)
@@ -208,12 +190,7 @@ def _rs_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
         st = warpgroup_mma(k_t, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_t, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-        i = t - (t // n_mt_div) * n_mt_div
-        if HAS_WL:
-            edge = (i < n_masked_c) | (i >= n_lfull_c) | tail
-        else:
-            edge = (i < n_masked_c) | tail
-        if edge:
+        if _tile_masked(t, n_mt_div, n_masked_c, n_lfull_c, tail, HAS_WL):
             pt, dst = _dst_tile(st, dpt, t, n_mt_div, mt_lo, hk, group, row_b, stride_lh, Sq, o_n, offset, span,
                                 qk_scale, scale, softcap, SL, stride_sh, alibi_off, LSE, LSE_LO, DELTA, col_s, CAUSAL,
                                 HAS_WL, HAS_SOFTCAP, HAS_ALIBI, True, BLOCK_M, USE_LO, FUSE=FUSE, Sk=Sk,
@@ -257,6 +234,34 @@ def _rs_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
             _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t, BLOCK_M, D, DQ_N)
     _dkdv_out(dk, dv, dk_desc, dv_desc, k_smem, v_smem, empty, ds_free, b, nc, hk, k_start, Sk, T, scale, ME, D,
               STAGES, VARLEN, SHARED_DQ, False)
+
+
+@gluon.jit
+def _resident_kv(k_smem, v_smem, kv_bar, k_other, kv_bar_other, D: gl.constexpr, SHARED_DQ: gl.constexpr):
+    """(K, V, the other half's K) once landed, as [64, D] tiles; the other's K (SHARED_DQ: read by
+    this consumer's dQ turns) is this half's K without SHARED_DQ, never read."""
+    mbarrier.wait(kv_bar, 0)
+    k_t = k_smem.reshape([HALF, D])
+    if SHARED_DQ:
+        mbarrier.wait(kv_bar_other, 0)
+        k_o = k_other.reshape([HALF, D])
+    else:
+        k_o = k_t
+    return k_t, v_smem.reshape([HALF, D]), k_o
+
+
+@gluon.jit
+def _tile_masked(t, n_mt_div, n_masked_c, n_lfull_c, tail, HAS_WL: gl.constexpr):
+    """Whether flattened tile t needs the mask: its place among its head's query tiles is before
+    n_masked_c (the causal diagonal) or from n_lfull_c on (a window's left edge), or this half's
+    keys cross Sk -- zero-filled keys are masked too: their P, exp2(-lse), could overflow where
+    lse is far below 0, and inf * 0 in dS K would put NaN into dQ."""
+    i = t - (t // n_mt_div) * n_mt_div
+    if HAS_WL:
+        edge = (i < n_masked_c) | (i >= n_lfull_c)
+    else:
+        edge = i < n_masked_c
+    return edge | tail
 
 
 @gluon.jit
