@@ -45,7 +45,7 @@ class TileConfig:
     # portable kernel with the same tiles
     gluon: bool = False
     # gluon only: serve calls with at least this many keys (the forward: the portable kernel below
-    # it; a "bwd_kv_ws" entry: the "bwd_kv" one below it)
+    # it; a "bwd_kv_ws" or "bwd_kv_ws_mid" entry: the next one, then the "bwd_kv" one below it)
     min_keys: int = 0
     # gluon only: slots in V's ring (0: num_stages, as K's).  One lets 64 x 128 tiles at
     # D = 128 (112 KB) run two programs per SM; V's copy then hides behind one tile's q k^T
@@ -158,6 +158,12 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
                                            min_keys=8192),
     ("bwd_kv_ws_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True,
                                             min_keys=8192),
+    # below 8192 keys at D = 64: the register-operand consumers (rs: P^T and dS^T stay in registers
+    # as the dV / dK products' A operands), each its own dQ.  H200, bf16 (RESULTS.md v0.9.3), S = 4k
+    # backward TFLOP/s against the ordered pair: causal 346 against 313, GQA 4 causal 329 against
+    # 312, dense 376 against 366; the shared-dQ entry 331 / 321 / 374; at 1k both lost (0.85-0.90x)
+    ("bwd_kv_ws_mid_gluon", 64, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, rs=True,
+                                               min_keys=4096),
     ("bwd_q_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
     ("bwd_q_gluon", 128, 2): TileConfig(64, 64, 4, 3, gluon=True, v_stages=1),
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
@@ -217,7 +223,7 @@ _TABLES: dict[tuple[int, int], dict] = {(9, 0): _SM90}
 _TABLE = _SM90  # the measured table (tests and tools read it)
 _INTERPRETER = TileConfig(16, 16, 1, 1)
 KINDS = ("fwd", "fwd_causal", "fwd_decode", "fwd_gluon", "fwd_gluon_causal", "bwd_kv", "bwd_kv_dropout", "bwd_q",
-         "bwd_kv_gluon", "bwd_q_gluon")
+         "bwd_kv_gluon", "bwd_kv_ws_gluon", "bwd_kv_ws_mid_gluon", "bwd_q_gluon")
 _overrides: dict[tuple[str, int, int], TileConfig] = {}
 ENV_FILE = "FLASHFORGE_TILE_CONFIGS"
 
