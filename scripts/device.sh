@@ -15,8 +15,9 @@
 # print); each gets what is left less FF_RESERVE seconds (default 150) for every part after it, at most
 # its cap: FF_TEST_LIMIT (default 300), FF_BENCH_LIMIT (330), FF_COMPARE_LIMIT (360).  FF_TEST_WORKERS=N
 # spreads the tests over N pytest-xdist processes (default: one); FF_PYTEST_ARGS are added to pytest's
-# arguments (e.g. a --deselect), with the default file list or without.  FF_TEST_SHARD=1 or 2 runs one
-# half of the default file list (the whole suite needs two calls: ~430 s each on 14 workers).
+# arguments (e.g. a --deselect), with the default file list or without.  FF_TEST_SHARD=1, 2 or 3 runs one
+# part of the default file list (three calls for the whole suite; on 14 workers
+# the second took 293 s and the third's files 86 s at v0.9.3, the first ~220-300 s, not yet run alone).
 # Prints the pytest summary, the benchmark tables and one status line per part last; exits non-zero if
 # a part fails or runs out of time.
 set -uo pipefail
@@ -58,20 +59,22 @@ declare -A RC=()
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || true
 echo "FA4: ${FA4_PATH:+staged at $FA4_SITE}${FA4_PATH:-not staged ($FA4_SITE missing): its columns will be '-'}"
 
-# every file with tests that run on CUDA, in two halves of about equal test time (v0.8.9's suite:
-# ~2,200 s of test time each; the whole ran past one call's limit on 14 workers)
-SHARD1=(tests/test_attention.py tests/test_gluon_sm90.py tests/test_gpu.py tests/test_varlen.py tests/test_dispatch.py
-    tests/test_replay.py tests/test_configs.py tests/test_launch.py)
+# every file with tests that run on CUDA, in three parts that each fit one call on 14 workers
+# (v0.9.3, plans on, cold compile cache: test_gluon_sm90 with test_launch / test_configs ran past
+# 370 s with the other files of the old first half; those others took 86 s, the second part 293 s)
+SHARD1=(tests/test_gluon_sm90.py tests/test_configs.py tests/test_launch.py)
 SHARD2=(tests/test_extreme_logits.py tests/test_safety.py tests/test_transformers.py tests/test_fused_bwd.py
     tests/test_compile.py tests/test_tma.py tests/test_kvcache.py tests/test_dropout.py tests/test_rope.py
     tests/test_interfaces.py tests/test_distributed.py tests/test_poly_exp2.py tests/test_properties.py
     tests/test_flash_attn_dropin.py tests/test_attention_torch.py::test_runs_on_cuda_tensors)
+SHARD3=(tests/test_attention.py tests/test_gpu.py tests/test_varlen.py tests/test_dispatch.py tests/test_replay.py)
 if [ "$#" -eq 0 ]; then
     case "${FF_TEST_SHARD:-}" in
         1) set -- "${SHARD1[@]}" ;;
         2) set -- "${SHARD2[@]}" ;;
-        "") set -- "${SHARD1[@]}" "${SHARD2[@]}" ;;
-        *) echo "FF_TEST_SHARD=${FF_TEST_SHARD}: 1 or 2 (or unset: both halves)" >&2; exit 2 ;;
+        3) set -- "${SHARD3[@]}" ;;
+        "") set -- "${SHARD1[@]}" "${SHARD2[@]}" "${SHARD3[@]}" ;;
+        *) echo "FF_TEST_SHARD=${FF_TEST_SHARD}: 1, 2 or 3 (or unset: all three)" >&2; exit 2 ;;
     esac
 fi
 # shellcheck disable=SC2206  # word-split on purpose: several arguments in one variable
