@@ -241,6 +241,26 @@ def test_forward_reason_warp_specialized_tiles():
     assert gluon_attention.ws_shared_bytes(TileConfig(128, 128, 4, 4, **ws), 64) >= 147928
 
 
+def test_forward_reason_three_consumers():
+    """Three consumers: 192 rows at D = 64 only (at 160 registers a consumer, D = 128's accumulator
+    does not fit), no ping-pong; the backward kernels take none."""
+    ws3 = TileConfig(192, 64, 4, 3, gluon=True, consumers=3)
+    q64, q128 = (torch.empty(1, 256, 2, D, dtype=torch.bfloat16) for D in (64, 128))
+    assert gluon_attention.forward_reason(q64, q64, q64, None, _params(), ws3, (9, 0)) is None
+    assert "D = 64 only" in gluon_attention.forward_reason(q128, q128, q128, None, _params(), ws3, (9, 0))
+    pp = TileConfig(192, 64, 4, 3, gluon=True, consumers=3, pingpong=True)
+    assert "ping-pong" in gluon_attention.forward_reason(q64, q64, q64, None, _params(), pp, (9, 0))
+    rows = TileConfig(128, 64, 4, 3, gluon=True, consumers=3)
+    assert "64 rows and 4 warps a consumer" in gluon_attention.forward_reason(q64, q64, q64, None, _params(), rows,
+                                                                              (9, 0))
+    assert not gluon_attention.bwd_tiles_fit("bwd_kv", ws3, 64)
+    assert not gluon_attention.bwd_tiles_fit("bwd_q", ws3, 64)
+    # the estimate covers the compiled kernels' (tools/sm90_compile_check.py: 74,228 B for 64-key
+    # tiles, 3 + 3 stages; 90,556 B for 128-key tiles, 2 + 2)
+    assert gluon_attention.ws_shared_bytes(ws3, 64) >= 74228
+    assert gluon_attention.ws_shared_bytes(TileConfig(192, 128, 4, 2, gluon=True, consumers=3), 64) >= 90556
+
+
 def test_backward_reason_dtype_of_do_and_lse():
     q = torch.empty(1, 128, 2, 64, dtype=torch.bfloat16)
     lse = torch.empty(1, 2, 128)

@@ -31,6 +31,9 @@ FWD_VARIANTS = {
     "ws-n128-s2": TC(128, 128, 4, 2, gluon=True, consumers=2),
     "ws-n64-s3-pingpong": TC(128, 64, 4, 3, gluon=True, consumers=2, pingpong=True),
     "ws-n128-s3-v2-pingpong": TC(128, 128, 4, 3, gluon=True, v_stages=2, consumers=2, pingpong=True),
+    # half or all of the interior tiles' exponentials on the FMA pipes (`rounding.exp2_split`)
+    "64x128-poly1": TC(64, 128, 4, 2, gluon=True, poly_exp2=1),
+    "64x64-poly2": TC(64, 64, 4, 2, gluon=True, poly_exp2=2),
 }
 
 
@@ -238,6 +241,43 @@ def test_d256_backward_against_reference(c, dtype, gluon_bwd_calls_256):
     for i, kind in enumerate(("bwd_kv", "bwd_q")):
         asked = pair[i].gluon if pair is not None else configs.gluon_config(256, 2, False, (9, 0), kind) is not None
         assert bool(calls[kind]) == asked, f"Gluon {kind} calls {calls[kind]}, wanted: {asked}"
+
+
+# Three consumers (the warp-specialized forward's 192-row programs, D = 64 only): every D = 64 case
+# above, plain, causal, windows, softcap, ALiBi, GQA, offsets, empty rows, one partial tile
+WS3_VARIANTS = {"ws3-n64-s3": TC(192, 64, 4, 3, gluon=True, consumers=3),
+                "ws3-n128-s2": TC(192, 128, 4, 2, gluon=True, consumers=3)}
+D64_CASES = [p for p in CASES + WINDOW_CASES + MOD_CASES if p.values[0].D == 64]
+
+
+@pytest.mark.parametrize("variant", list(WS3_VARIANTS))
+@pytest.mark.parametrize("c, dtype", D64_CASES)
+def test_three_consumers_against_reference(c, dtype, variant, monkeypatch):
+    calls = []
+    real = gluon_attention.attention_forward
+    monkeypatch.setattr(gluon_attention, "attention_forward", lambda q, *a, **kw: calls.append(q.shape) or real(q, *a, **kw))
+    for kind in ("fwd", "fwd_causal"):
+        configs.set_config(kind, 64, 2, WS3_VARIANTS[variant])
+    try:
+        check_case(c, "triton", device="cuda", dtype=dtype)
+    finally:
+        for kind in ("fwd", "fwd_causal"):
+            configs.set_config(kind, 64, 2, None)
+    assert calls, "the Gluon forward was not used"
+
+
+def test_three_consumers_refused_past_d64_take_the_portable_kernel(monkeypatch):
+    """Three consumers at D = 128 do not fit their registers: the launcher refuses them, and the
+    portable kernel runs the call with a power-of-two number of rows (not 192)."""
+    calls = []
+    real = gluon_attention.attention_forward
+    monkeypatch.setattr(gluon_attention, "attention_forward", lambda q, *a, **kw: calls.append(q.shape) or real(q, *a, **kw))
+    configs.set_config("fwd", 128, 2, WS3_VARIANTS["ws3-n64-s3"])
+    try:
+        check_case(CASES[0].values[0], "triton", device="cuda", dtype=F16)
+    finally:
+        configs.set_config("fwd", 128, 2, None)
+    assert not calls
 
 
 # features the Gluon kernels lack (built when called: the tensors live on the GPU)
@@ -624,6 +664,20 @@ def test_varlen_warp_specialized_forward(variant, shape, kw, dtype, gluon_spies)
         test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies)
     finally:
         set_forward_tiles(None)
+
+
+@pytest.mark.parametrize("variant", list(WS3_VARIANTS))
+@pytest.mark.parametrize("shape, kw, dtype", [p for p in VARLEN_CASES if p.values[0]["D"] == 64])
+def test_varlen_three_consumers(variant, shape, kw, dtype, gluon_spies):
+    """Packed batches through the three-consumer forward (a program's 192 rows may span a
+    sequence's end anywhere), the table's backward on its o and lse."""
+    for kind in ("fwd", "fwd_causal"):
+        configs.set_config(kind, 64, 2, WS3_VARIANTS[variant])
+    try:
+        test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies)
+    finally:
+        for kind in ("fwd", "fwd_causal"):
+            configs.set_config(kind, 64, 2, None)
 
 
 @pytest.mark.parametrize("shape, kw, dtype", [p for p in VARLEN_CASES if p.values[0]["D"] <= 128])

@@ -66,6 +66,8 @@ def _signature(fn, args, kwargs):
         options["num_warps"] = kwargs["num_warps"]
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(names):
+        if name not in values and fn.params[i].is_constexpr and fn.params[i].has_default:
+            values[name] = fn.params[i].default  # (a constexpr the launcher leaves at its default)
         v = values[name]
         if fn.params[i].is_constexpr:
             sig[name], consts[name] = "constexpr", v
@@ -259,6 +261,13 @@ def record(quick: bool):
         # the warp-specialized forward (a loader warp, two consumer warpgroups), with and without
         # ping-pong: plain, causal, window, softcap, ALiBi, packed
         record_ws(run, real_get)
+        # the one-warpgroup forward with half / all of the unmasked tiles' exponentials on the FMA pipes
+        for poly in (1, 2):
+            launchers.get_config = lambda kind, d, e, interpret, poly=poly, **kw: replace(
+                configs.gluon_config(d, e, kw.get("causal", False), cap), poly_exp2=poly) \
+                if kind == "fwd" else real_get(kind, d, e, False, **kw)
+            run(bwd=False)
+            run(bwd=False, window_right=0, dtype=torch.float16)
         # the Gluon backward's variants (the table's own run above): one tile at a time, three-slot
         # rings, 32-query tiles (dK/dV), 128-key tiles (dQ), a one-slot V ring in the dQ kernel
         for over in (dict(overlap=False), dict(num_stages=3), dict(block_m=32), dict(block_m=32, num_stages=3),
@@ -379,7 +388,8 @@ def record_ws(run, real_get):
         # (the table's D = 128 entry runs every feature in `record`; where the tiles overflow shared
         # memory at D = 256 the launcher refuses them: `gluon.attention.forward_reason`)
         fits = gluon_launcher.ws_shared_bytes(configs.TileConfig(**over), 256) <= SMEM_LIMIT
-        for D in (64, 128, 256) if fits else (64, 128):
+        dims = (64,) if over["consumers"] == 3 else (64, 128, 256) if fits else (64, 128)  # (three: D = 64 only)
+        for D in dims:
             run(D=D, bwd=False)
             run(D=D, bwd=False, window_left=40, window_right=0, dtype=torch.float16)
             if i == 0:
@@ -399,6 +409,11 @@ WS_VARIANTS = {
     "ws-n64-s3-pingpong": dict(block_n=64, num_stages=3, pingpong=True, **_WS),
     "ws-n64-s2-pingpong": dict(block_n=64, num_stages=2, pingpong=True, **_WS),
     "ws-n32-s3": dict(block_n=32, num_stages=3, **_WS),
+    # three consumers (192 rows, D = 64), with half the exponentials on the FMA pipes too
+    "ws3-n64-s3": dict(block_m=192, block_n=64, num_stages=3, num_warps=4, gluon=True, consumers=3),
+    "ws3-n128-s2": dict(block_m=192, block_n=128, num_stages=2, num_warps=4, gluon=True, consumers=3),
+    "ws3-n64-s3-poly1": dict(block_m=192, block_n=64, num_stages=3, num_warps=4, gluon=True, consumers=3,
+                             poly_exp2=1),
 }
 
 

@@ -10,6 +10,8 @@ outputs relative to their largest entry.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import triton
 
 import flashforge
@@ -25,8 +27,17 @@ ROWS = [(f"D{D} S{S // 1024}k{' causal' if c else ''}", S, D, c, None, 1)
     ("D128 S16k causal window 1023", 16384, 128, True, 1023, 1),
 ] + [(f"D256 S{S // 1024}k{' causal' if c else ''}", S, 256, c, None, 1) for S in (4096, 16384) for c in (False, True)]
 WS = dict(block_m=128, num_warps=4, gluon=True, consumers=2)
+WS3 = dict(block_m=192, num_warps=4, gluon=True, consumers=3)
 VARIANTS = {
-    64: {"ws n128 s2": TC(block_n=128, num_stages=2, **WS),
+    # poly1 / poly2: the table's one-warpgroup tiles with half / all of the interior tiles'
+    # exponentials on the FMA pipes (`rounding.exp2_split`; the table's own tiles, causal or not)
+    # ws3: three consumers, 192 rows a program (FA4's D = 64 tiles are 192 x 128)
+    64: {"poly1": dict(poly_exp2=1), "poly2": dict(poly_exp2=2),
+         "ws3 n64 s3": TC(block_n=64, num_stages=3, **WS3),
+         "ws3 n64 s4": TC(block_n=64, num_stages=4, **WS3),
+         "ws3 n128 s2": TC(block_n=128, num_stages=2, **WS3),
+         "ws3 n64 s3 poly1": TC(block_n=64, num_stages=3, poly_exp2=1, **WS3),
+         "ws n128 s2": TC(block_n=128, num_stages=2, **WS),
          "ws n128 s2 pp": TC(block_n=128, num_stages=2, pingpong=True, **WS),
          "ws n128 s4 pp": TC(block_n=128, num_stages=4, pingpong=True, **WS),
          "ws n64 s4 pp": TC(block_n=64, num_stages=4, pingpong=True, **WS)},
@@ -43,6 +54,8 @@ VARIANTS = {
 # FF_WS_ROWS: a comma-separated subset of the labels (default all)
 _LABELS = only("FF_WS_ROWS", [r[0] for r in ROWS])
 ROWS = [r for r in ROWS if r[0] in _LABELS]
+# FF_WS_VARIANTS: likewise a subset of the variants' names
+_VARIANTS = set(only("FF_WS_VARIANTS", sorted({n for v in VARIANTS.values() for n in v})))
 
 
 def run_row(label, S, D, causal, window, gdiv):
@@ -51,7 +64,9 @@ def run_row(label, S, D, causal, window, gdiv):
     kw = dict(causal=causal, window=None if window is None else (window, -1), backend="triton")
     out = {"row": label, "variants": {}}
     ref = None
-    for name, cfg in [("table", None)] + list(VARIANTS[D].items()):
+    for name, cfg in [("table", None)] + [(n, c) for n, c in VARIANTS[D].items() if n in _VARIANTS]:
+        if isinstance(cfg, dict):  # fields changed in the table's own Gluon tiles
+            cfg = replace(configs.gluon_config(D, 2, causal, (9, 0)), **cfg)
         with tiles("fwd_causal" if causal else "fwd", D, cfg):
             o = flashforge.attention(q, k, v, **kw)
             ms = triton.testing.do_bench(lambda: flashforge.attention(q, k, v, **kw), return_mode="median")

@@ -78,7 +78,7 @@ def ws_shared_bytes(cfg, D: int, resident: int = 1) -> int:
     tiles (the forward: Q, o's staging too; the dQ kernel: Q and dO), the K and V rings, and 1 KB
     for the barriers and alignment (the compiled kernels use 120-472 B)."""
     v_stages = cfg.v_stages or max(2, cfg.num_stages)
-    return 2 * (2 * resident * 64 * D + (max(2, cfg.num_stages) + v_stages) * cfg.block_n * D) + 1024
+    return 2 * (cfg.consumers * resident * 64 * D + (max(2, cfg.num_stages) + v_stages) * cfg.block_n * D) + 1024
 
 
 def ws_dkdv_shared_bytes(cfg, D: int) -> int:
@@ -90,6 +90,9 @@ def ws_dkdv_shared_bytes(cfg, D: int) -> int:
 # the warp-specialized forward's register split (setmaxnreg): 240 for each consumer warpgroup,
 # 24 for the loader's, FA3's (the three warpgroups' 168 each at launch: 2 * 240 + 24 = 3 * 168)
 _WS_REGS = (240, 24)
+# three consumers (the forward at D = 64): four warpgroups of 128 registers at launch, 3 * 160 +
+# 24 <= 4 * 128 (setmaxnreg takes multiples of 8)
+_WS3_REGS = (160, 24)
 
 
 def scope_reason(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -> str | None:
@@ -142,10 +145,13 @@ def forward_reason(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]
         return reason
     if (params.max_seqlen_k if params.is_varlen else k.shape[1]) < cfg.min_keys:
         return f"fewer than the tiles' min_keys = {cfg.min_keys} keys"
-    if cfg.consumers == 2:
-        if cfg.block_m != 128 or cfg.num_warps != 4:
-            return (f"tiles {cfg.block_m} x {cfg.block_n} with {cfg.num_warps} warps (the warp-specialized Gluon "
-                    "forward: 128 rows, 4 warps a consumer)")
+    if cfg.consumers in (2, 3):
+        if cfg.block_m != 64 * cfg.consumers or cfg.num_warps != 4:
+            return (f"tiles {cfg.block_m} x {cfg.block_n} with {cfg.num_warps} warps, {cfg.consumers} consumers "
+                    "(the warp-specialized Gluon forward: 64 rows and 4 warps a consumer)")
+        if cfg.consumers == 3 and (q.shape[3] != 64 or cfg.pingpong):
+            return (f"three consumers at D = {q.shape[3]}{' with ping-pong' if cfg.pingpong else ''} (the "
+                    "warp-specialized Gluon forward: three at D = 64 only, without ping-pong)")
         smem = ws_shared_bytes(cfg, q.shape[3])
         if smem > _SMEM_SM90:
             return (f"tiles {cfg.block_m} x {cfg.block_n} x {cfg.num_stages} stages at D = {q.shape[3]}: {smem} B of "
@@ -238,7 +244,7 @@ def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None,
     w = _window(params)
     mod, mod_flags = _modifiers(params, lse)
     grid = (cdiv(Sq, cfg.block_m), B * Hq)
-    ws = cfg.consumers == 2
+    ws = cfg.consumers >= 2
     rows = 64 if ws else cfg.block_m  # q's and o's boxes (warp-specialized: one consumer's rows)
     args = (desc(q, rows), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(o, rows), lse,
             lse if lse_lo is None else lse_lo, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k, Hq // Hkv, offset,
@@ -246,11 +252,16 @@ def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None,
     common = dict(CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, BLOCK_N=cfg.block_n, D=D,
                   STAGES=max(2, cfg.num_stages), V_STAGES=cfg.v_stages or max(2, cfg.num_stages),
                   VARLEN=params.is_varlen, STORE_LO=lse_lo is not None)
+    # poly_exp2: part of the unmasked tiles' exponentials on the FMA pipes (`rounding.exp2_split`;
+    # absent, the kernels' default of none, so the launch's specialization is the one before it)
+    poly = dict(POLY_EXP2=cfg.poly_exp2) if cfg.poly_exp2 else {}
     if ws:
-        rec.launch(_ws_kernel(), grid, *args, **common, PINGPONG=cfg.pingpong, CONSUMER_REGS=_WS_REGS[0],
-                   LOADER_REGS=_WS_REGS[1], num_warps=4)
+        regs = _WS3_REGS if cfg.consumers == 3 else _WS_REGS
+        nc = dict(NC=3) if cfg.consumers == 3 else {}  # (the kernel's default: two)
+        rec.launch(_ws_kernel(), grid, *args, **common, **poly, PINGPONG=cfg.pingpong, CONSUMER_REGS=regs[0],
+                   LOADER_REGS=regs[1], num_warps=4, **nc)
     else:
-        rec.launch(kernel, grid, *args, **common, BLOCK_M=cfg.block_m, Q_IN_REGS=_Q_IN_REGS,
+        rec.launch(kernel, grid, *args, **common, **poly, BLOCK_M=cfg.block_m, Q_IN_REGS=_Q_IN_REGS,
                    num_warps=cfg.num_warps)
     return o, lse
 
@@ -283,6 +294,8 @@ def bwd_tiles_fit(kind: str, cfg, head_dim: int) -> bool:
     for "bwd_q" (dQ); and past D = 128, dK and dV in two launches (split_kv: with both
     accumulators in registers, 256 a thread, the kernel would spill)."""
     if kind == "bwd_kv" and head_dim > 128 and not cfg.split_kv:
+        return False
+    if cfg.consumers > 2:  # (three consumers: the forward's only)
         return False
     if cfg.consumers == 2:  # the warp-specialized kernels: two 64-row consumers of 4 warps
         if kind == "bwd_kv":  # (dQ fused: `fuses_dq` says where it serves)

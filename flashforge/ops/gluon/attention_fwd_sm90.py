@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_window, load_rows, query_program,
                        slot, visible, wait)
-from .rounding import LN2, LOG2E, exponent, fused_score, mul_rn
+from .rounding import LN2, LOG2E, exp2_split, exponent, fused_score, mul_rn
 from .scores import modified_score
 
 
@@ -41,9 +41,11 @@ from .scores import modified_score
 def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, span, qk_scale, scale, softcap, slope, alibi_off,
                   s_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
                   BLOCK_N: gl.constexpr, FUSE: gl.constexpr = False, HAS_SOFTCAP: gl.constexpr = False,
-                  HAS_ALIBI: gl.constexpr = False):
+                  HAS_ALIBI: gl.constexpr = False, POLY_EXP2: gl.constexpr = 0):
     """One tile's online-softmax update: (p, alpha, m_new, l_new) in log2 units.  With softcap or
-    ALiBi the scores are formed first (`scores.modified_score`) and the max taken over them."""
+    ALiBi the scores are formed first (`scores.modified_score`) and the max taken over them.
+    POLY_EXP2 (tiles without a mask or modifier): half (1) or all (2) of P's exponentials on the
+    FMA pipes (`rounding.exp2_split`)."""
     MOD: gl.constexpr = HAS_SOFTCAP or HAS_ALIBI
     if MASKED or MOD:
         o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -63,7 +65,11 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, span, qk_scale, scale, softc
     if MOD:
         p = gl.exp2(s - m_shift[:, None])
     else:
-        p = gl.exp2(exponent(s, qk_scale, m_shift[:, None], FUSE))  # the max's exponent: 0, or its product's rounding
+        x = exponent(s, qk_scale, m_shift[:, None], FUSE)  # the max's exponent: 0, or its product's rounding
+        if MASKED:
+            p = gl.exp2(x)
+        else:
+            p = exp2_split(x, POLY_EXP2, s_layout)
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
@@ -72,13 +78,14 @@ def _softmax_step(s, m_i, l_i, n0, o_m, Sk, offset, span, qk_scale, scale, softc
 @gluon.jit
 def softmax_tile(s, m_i, l_i, j, n_lo, n_lfull, n_full, o_m, Sk, offset, span, qk_scale, scale, softcap, slope,
                  alibi_off, s_layout: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, BLOCK_N: gl.constexpr,
-                 FUSE: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+                 FUSE: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, POLY_EXP2: gl.constexpr = 0):
     """`_softmax_step` of key tile n_lo + j (`key_window`'s counting), with the mask where the tile
     needs one (before n_lfull or from n_full on): one copy of the element-wise code for each."""
     if (j < n_full) & (j >= n_lfull):
         p, alpha, m_new, l_new = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span, qk_scale,
                                                scale, softcap, slope, alibi_off, s_layout, False, CAUSAL, HAS_WL,
-                                               BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+                                               BLOCK_N, FUSE=FUSE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+                                               POLY_EXP2=POLY_EXP2)
     else:
         p, alpha, m_new, l_new = _softmax_step(s, m_i, l_i, (n_lo + j) * BLOCK_N, o_m, Sk, offset, span, qk_scale,
                                                scale, softcap, slope, alibi_off, s_layout, True, CAUSAL, HAS_WL,
@@ -107,7 +114,7 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
                          HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                          Q_IN_REGS: gl.constexpr, VARLEN: gl.constexpr, STORE_LO: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         num_warps: gl.constexpr, POLY_EXP2: gl.constexpr = 0):
     # STORE_LO: also write LSE_LO (lse's strides), what the backward's lse * LOG2E misses of
     # m + log2(l) (`flashforge.ops.params`).  Visibility: key j from query i iff j <= i + offset
     # (CAUSAL: the launcher folds a window's right side into the offset) and j >= i + offset - span
@@ -184,7 +191,7 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
             load_rows(k_desc, k_ring, k_bars, j + STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, STAGES, VARLEN)
             p_new, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, j, n_lo, n_lfull, n_full, o_m, Sk, offset, span,
                                                   qk_scale, scale, softcap, slope, alibi_off, s_layout, CAUSAL, HAS_WL,
-                                                  BLOCK_N, FUSE, HAS_SOFTCAP, HAS_ALIBI)
+                                                  BLOCK_N, FUSE, HAS_SOFTCAP, HAS_ALIBI, POLY_EXP2)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
             load_rows(v_desc, v_ring, v_bars, j - 1 + V_STAGES, n_lo, b, hk, k_start, Sk, n_tiles, BLOCK_N, V_STAGES,
                       VARLEN)

@@ -1,5 +1,5 @@
-"""Hopper (sm_90) attention forward in Gluon, warp-specialized: one loader warp, two consumer
-warpgroups sharing each key tile.
+"""Hopper (sm_90) attention forward in Gluon, warp-specialized: one loader warp, two or three
+consumer warpgroups sharing each key tile.
 
 Why (issue 18): `attention_fwd_sm90` runs one warpgroup of 64 query rows per program and two
 programs per SM, so each SM copies every K and V tile twice, once per program.  At D = 128 with
@@ -17,6 +17,12 @@ of the union its rows do not see (a causal diagonal's, a window's edges) without
 
 PINGPONG (FA3's scheduling): the consumers take turns issuing their products, through two
 mbarriers, so one's softmax runs while the other's products occupy the tensor cores.
+
+NC = 3 (D = 64; FA3's and FA4's 192-row tiles there): three consumers, 192 query rows a program,
+each K and V tile copied once for all of them.  At D = 64 a tile's exponentials take as long as
+its products, and two consumers (one program an SM: the register split) left the tensor cores
+idle more than three one-warpgroup programs do (RESULTS.md v0.9.0: 0.66-0.97x); three consumers
+at 160 registers each keep three warpgroups an SM with one copy of each tile.  No ping-pong.
 
 Scope: `attention_fwd_sm90`'s (the launcher checks it).
 """
@@ -37,8 +43,10 @@ def _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_emp
               m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off,
               ME: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
               HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-              V_STAGES: gl.constexpr, VARLEN: gl.constexpr, STORE_LO: gl.constexpr, PINGPONG: gl.constexpr):
-    """Query rows m0 + ME * 64 + [0, 64): the online softmax over their key tiles, then o and lse."""
+              V_STAGES: gl.constexpr, VARLEN: gl.constexpr, STORE_LO: gl.constexpr, PINGPONG: gl.constexpr,
+              POLY_EXP2: gl.constexpr):
+    """Query rows m0 + ME * 64 + [0, 64): the online softmax over their key tiles, then o and lse
+    (POLY_EXP2: `attention_fwd_sm90.softmax_tile`'s, for the tiles after the first)."""
     dtype: gl.constexpr = o_desc.dtype
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -86,7 +94,7 @@ def _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_emp
             mbarrier.arrive(k_empty.index(r % STAGES), count=1)
             p_new, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, j, n_lo, n_lfull, n_full, o_m, Sk, offset, span,
                                                   qk_scale, scale, softcap, slope, alibi_off, s_layout, CAUSAL, HAS_WL,
-                                                  BLOCK_N, FUSE, HAS_SOFTCAP, HAS_ALIBI)
+                                                  BLOCK_N, FUSE, HAS_SOFTCAP, HAS_ALIBI, POLY_EXP2)
             acc, p = warpgroup_mma_wait(0, deps=(acc, p))
             mbarrier.arrive(v_empty.index((r - 1) % V_STAGES), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -113,24 +121,36 @@ def _consumer1(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_em
                m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off,
                CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-               VARLEN: gl.constexpr, STORE_LO: gl.constexpr, PINGPONG: gl.constexpr):
-    # the second half's rows, in a worker partition (warp_specialize's partitions are functions)
+               VARLEN: gl.constexpr, STORE_LO: gl.constexpr, PINGPONG: gl.constexpr, POLY_EXP2: gl.constexpr):
+    # the second consumer's rows, in a worker partition (warp_specialize's partitions are functions)
     _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h, m0,
               q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off, 1,
-              CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES, V_STAGES, VARLEN, STORE_LO, PINGPONG)
+              CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES, V_STAGES, VARLEN, STORE_LO, PINGPONG,
+              POLY_EXP2)
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_ring, v_ring, q_bars, k_ready, k_empty, v_ready, v_empty, b,
-            h, hk, m0, q_start, Sq, k_start, Sk, u_lo, u_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            V_STAGES: gl.constexpr, VARLEN: gl.constexpr):
-    """Both halves' Q, then the union's key tiles, K_r before V_{r-1}: the order the consumers read
-    them in, so a copy waiting for its slot never holds back one a consumer needs first.  A slot
-    is refilled once both consumers have released it (empty barriers start complete)."""
-    mbarrier.expect(q_bars.index(0), q_desc.block_type.nbytes)
-    copy_in(q_desc, b, m0, h, q_start, Sq, q_bars.index(0), q_smem0, True, VARLEN)
-    mbarrier.expect(q_bars.index(1), q_desc.block_type.nbytes)
-    copy_in(q_desc, b, m0 + HALF, h, q_start, Sq, q_bars.index(1), q_smem1, True, VARLEN)
+def _consumer2(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h,
+               m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off,
+               CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+               BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+               VARLEN: gl.constexpr, STORE_LO: gl.constexpr, POLY_EXP2: gl.constexpr):
+    # NC = 3: the third 64 rows (no ping-pong)
+    _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h, m0,
+              q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off, 2,
+              CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES, V_STAGES, VARLEN, STORE_LO, False, POLY_EXP2)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_all, k_ring, v_ring, q_bars, k_ready, k_empty, v_ready, v_empty, b, h, hk, m0,
+            q_start, Sq, k_start, Sk, u_lo, u_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            V_STAGES: gl.constexpr, VARLEN: gl.constexpr, NC: gl.constexpr):
+    """Each consumer's Q, then the union's key tiles, K_r before V_{r-1}: the order the consumers
+    read them in, so a copy waiting for its slot never holds back one a consumer needs first.  A
+    slot is refilled once every consumer has released it (empty barriers start complete)."""
+    for i in gl.static_range(NC):
+        mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
+        copy_in(q_desc, b, m0 + i * HALF, h, q_start, Sq, q_bars.index(i), q_all.index(i), True, VARLEN)
     for r in range(0, u_tiles + 1):
         if r < u_tiles:
             fill(k_desc, k_ring, k_ready, k_empty, r, (u_lo + r) * BLOCK_N, b, hk, k_start, Sk, STAGES, VARLEN)
@@ -146,28 +166,47 @@ def attn_fwd_ws_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_
                             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
                             D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr,
                             STORE_LO: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    # the arguments mean attention_fwd_sm90's; a program owns 2 * 64 query rows (num_warps = 4:
-    # the default partition is the first consumer)
+                            LOADER_REGS: gl.constexpr, num_warps: gl.constexpr, NC: gl.constexpr = 2,
+                            POLY_EXP2: gl.constexpr = 0):
+    # the arguments mean attention_fwd_sm90's; a program owns NC * 64 query rows (num_warps = 4:
+    # the default partition is the first consumer; PINGPONG with NC = 2 only)
     dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert((NC == 2) or ((NC == 3) and not PINGPONG), "two consumers, or three without ping-pong")
     _, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope, u_lo, u_tiles, row_lse = ws_program(
         Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES, stride_sb,
-        stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, HAS_ALIBI, VARLEN)
+        stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, HAS_ALIBI, VARLEN, NC)
 
-    q_smem0 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    q_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    q_all = gl.allocate_shared_memory(dtype, [NC] + q_desc.block_type.shape, q_desc.layout)  # one Q a consumer
     k_ring, v_ring, q_bars, turn, k_ready, k_empty, v_ready, v_empty = ws_rings(k_desc, v_desc, STAGES, V_STAGES,
-                                                                                PINGPONG)
-
-    gl.warp_specialize([
-        (_consumer, (o_desc, LSE, LSE_LO, q_smem0, k_ring, v_ring, q_bars.index(0), k_ready, k_empty, v_ready,
-                     v_empty, turn, b, h, m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale,
-                     softcap, slope, alibi_off, 0, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES,
-                     V_STAGES, VARLEN, STORE_LO, PINGPONG)),
-        (_consumer1, (o_desc, LSE, LSE_LO, q_smem1, k_ring, v_ring, q_bars.index(1), k_ready, k_empty, v_ready,
-                      v_empty, turn, b, h, m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale,
-                      softcap, slope, alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES, V_STAGES,
-                      VARLEN, STORE_LO, PINGPONG)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_ring, v_ring, q_bars, k_ready, k_empty, v_ready,
-                   v_empty, b, h, hk, m0, q_start, Sq, k_start, Sk, u_lo, u_tiles, BLOCK_N, STAGES, V_STAGES, VARLEN)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+                                                                                PINGPONG, NC)
+    # (the partitions are spelled out in each branch: a jit function cannot be held in a variable)
+    if NC == 3:
+        gl.warp_specialize([
+            (_consumer, (o_desc, LSE, LSE_LO, q_all.index(0), k_ring, v_ring, q_bars.index(0), k_ready, k_empty,
+                         v_ready, v_empty, turn, b, h, m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse,
+                         qk_scale, scale, softcap, slope, alibi_off, 0, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI,
+                         BLOCK_N, D, STAGES, V_STAGES, VARLEN, STORE_LO, False, POLY_EXP2)),
+            (_consumer1, (o_desc, LSE, LSE_LO, q_all.index(1), k_ring, v_ring, q_bars.index(1), k_ready, k_empty,
+                          v_ready, v_empty, turn, b, h, m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse,
+                          qk_scale, scale, softcap, slope, alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N,
+                          D, STAGES, V_STAGES, VARLEN, STORE_LO, False, POLY_EXP2)),
+            (_consumer2, (o_desc, LSE, LSE_LO, q_all.index(2), k_ring, v_ring, q_bars.index(2), k_ready, k_empty,
+                          v_ready, v_empty, turn, b, h, m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse,
+                          qk_scale, scale, softcap, slope, alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N,
+                          D, STAGES, V_STAGES, VARLEN, STORE_LO, POLY_EXP2)),
+            (_loader, (q_desc, k_desc, v_desc, q_all, k_ring, v_ring, q_bars, k_ready, k_empty, v_ready, v_empty, b,
+                       h, hk, m0, q_start, Sq, k_start, Sk, u_lo, u_tiles, BLOCK_N, STAGES, V_STAGES, VARLEN, NC)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (o_desc, LSE, LSE_LO, q_all.index(0), k_ring, v_ring, q_bars.index(0), k_ready, k_empty,
+                         v_ready, v_empty, turn, b, h, m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse,
+                         qk_scale, scale, softcap, slope, alibi_off, 0, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI,
+                         BLOCK_N, D, STAGES, V_STAGES, VARLEN, STORE_LO, PINGPONG, POLY_EXP2)),
+            (_consumer1, (o_desc, LSE, LSE_LO, q_all.index(1), k_ring, v_ring, q_bars.index(1), k_ready, k_empty,
+                          v_ready, v_empty, turn, b, h, m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse,
+                          qk_scale, scale, softcap, slope, alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N,
+                          D, STAGES, V_STAGES, VARLEN, STORE_LO, PINGPONG, POLY_EXP2)),
+            (_loader, (q_desc, k_desc, v_desc, q_all, k_ring, v_ring, q_bars, k_ready, k_empty, v_ready, v_empty, b,
+                       h, hk, m0, q_start, Sq, k_start, Sk, u_lo, u_tiles, BLOCK_N, STAGES, V_STAGES, VARLEN, NC)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -39,3 +39,35 @@ def exponent(s, c, shift, FUSE: gl.constexpr):
     else:
         x = mul_rn(s, c) - shift
     return x
+
+
+@gluon.jit
+def exp2_fma(x):
+    """2^x for finite x <= 0 on the FMA pipes, as the portable kernels' `common.exp2_fma` (the same
+    polynomial and bit trick, so both families give the same P): the special-function unit does 16
+    exp2 a clock per SM on sm_90, and at D = 64 a tile's exponentials take as long as its two
+    products on the tensor cores.  x is clamped at -125 (2^-125 ~ 2e-38 stands for 0)."""
+    x = gl.maximum(x, -125.0)
+    t = x + 12582912.0  # 1.5 * 2^23: x rounded to an integer, held in t's low mantissa bits
+    j = t - 12582912.0
+    f = x - j
+    p = 0.99992806 + f * (0.69326097 + f * (0.24261115 + f * 0.05517166))
+    # (bits of t) << 23 keeps exactly j's low 9 bits as an exponent increment (two's complement)
+    bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def exp2_split(x, POLY: gl.constexpr, layout: gl.constexpr):
+    """2^x of a [BM, BN] tile in `layout` (a wgmma accumulator's), the work shared between units:
+    POLY = 0 all on the special-function unit, 1 every other column through `exp2_fma`, 2 all.
+    The column pairs split here are held by one thread in a wgmma accumulator, so the split and
+    the join move no data between threads."""
+    if POLY == 0:
+        y = gl.exp2(x)
+    elif POLY == 2:
+        y = exp2_fma(x)
+    else:
+        a, b = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        y = gl.convert_layout(gl.reshape(gl.join(gl.exp2(a), exp2_fma(b)), [x.shape[0], x.shape[1]]), layout)
+    return y

@@ -1,7 +1,7 @@
 """What the warp-specialized sm_90 kernels share (attention_fwd_ws_sm90, attention_bwd_dq_ws_sm90):
-a program of two 64-row consumers, their rings with "ready" barriers (the copy engine completes
-them) and "empty" barriers (both consumers arrive once a slot's products are done), and the
-ping-pong turns.
+a program of NC 64-row consumers (two; the forward also three), their rings with "ready" barriers
+(the copy engine completes them) and "empty" barriers (every consumer arrives once a slot's
+products are done), and the ping-pong turns (two consumers).
 
 A ring's slot r % STAGES holds tile r of the program's union of key tiles (`ws_program`); use
 r of a slot is phase (r // STAGES) & 1 of both its barriers.  A fresh empty barrier reads as
@@ -18,44 +18,46 @@ HALF = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma tall)
 @gluon.jit
 def ws_program(Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES,
                stride_sb, stride_sh, stride_lb, stride_lh, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-               HAS_WL: gl.constexpr, HAS_ALIBI: gl.constexpr, VARLEN: gl.constexpr):
+               HAS_WL: gl.constexpr, HAS_ALIBI: gl.constexpr, VARLEN: gl.constexpr, NC: gl.constexpr = 2):
     """(kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope, u_lo, u_tiles, row) of
-    this program's 2 * 64 query rows: `query_block` and `sequence` as the one-warpgroup kernels
+    this program's NC * 64 query rows: `query_block` and `sequence` as the one-warpgroup kernels
     use them; kv_row, the dK/dV kernel's program row of this (b, hk) before `sequence` maps b;
-    the union of both halves' key tiles [u_lo, u_lo + u_tiles); row, where this head's lse rows
+    the union of the consumers' key tiles [u_lo, u_lo + u_tiles); row, where this head's lse rows
     start."""
     kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope = query_program(
         Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, right, SLOPES, stride_sb,
-        stride_sh, 2 * HALF, CAUSAL, HAS_ALIBI, VARLEN)
-    u_lo, u_tiles, _, _ = key_window(m0, Sq, Sk, offset, span, 2 * HALF, BLOCK_N, CAUSAL, HAS_WL)
+        stride_sh, NC * HALF, CAUSAL, HAS_ALIBI, VARLEN)
+    u_lo, u_tiles, _, _ = key_window(m0, Sq, Sk, offset, span, NC * HALF, BLOCK_N, CAUSAL, HAS_WL)
     u_tiles = gl.maximum(u_tiles, 0)
     row = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
     return kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope, u_lo, u_tiles, row
 
 
 @gluon.jit
-def ws_rings(k_desc, v_desc, STAGES: gl.constexpr, V_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+def ws_rings(k_desc, v_desc, STAGES: gl.constexpr, V_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+             NC: gl.constexpr = 2):
     """(k_ring, v_ring, q_bars, turn, k_ready, k_empty, v_ready, v_empty): the K and V rings in
     shared memory and the program's barriers, initialized: one count for the copy engine's
-    barriers and the turns, two (both consumers) for the empty ones."""
+    barriers (one Q barrier a consumer) and the turns, NC (every consumer) for the empty ones."""
     dtype: gl.constexpr = k_desc.dtype
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(NC):
         mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=NC)
     for i in gl.static_range(V_STAGES):
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=NC)
     fence_async_shared()
     if PINGPONG:  # consumer 0 issues first
         mbarrier.arrive(turn.index(0), count=1)
@@ -99,7 +101,7 @@ def release_tiles(k_ready, k_empty, v_ready, v_empty, r0, r1, STAGES: gl.constex
 
 @gluon.jit
 def fill(desc, ring, ready, empty, r, row, b, h, start, length, STAGES: gl.constexpr, VARLEN: gl.constexpr):
-    """The loader's copy of tile r (rows from `row`) into its slot, once both consumers have
+    """The loader's copy of tile r (rows from `row`) into its slot, once every consumer has
     released the slot's previous tile."""
     s = r % STAGES
     mbarrier.wait(empty.index(s), ((r // STAGES) & 1) ^ 1)

@@ -6,6 +6,7 @@ is a 4-D view whose size-1 dims broadcast (passed with stride 0).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -205,6 +206,8 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
             explain("forward", "portable kernel", why)
     else:
         explain("forward", "portable kernel", "the Triton interpreter (TRITON_INTERPRET=1)")
+    if cfg.block_m & (cfg.block_m - 1):  # three Gluon consumers' 192 rows: the portable kernel's are a power of two
+        cfg = dataclasses.replace(cfg, block_m=next_power_of_2(cfg.block_m) // 2)
     group = Hq // Hkv
     if params.seqlens_k is not None and mask is None:
         # a KV-cache call: its own tiles where its rows (x the group, packed) fit one of them
