@@ -416,6 +416,35 @@ def test_long_backward_takes_the_warp_specialized_kernel(D):
     assert g_kv == forced
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_d64_forward_takes_three_consumers(causal):
+    """The table's "fwd_long" entry (D = 64: three consumers, 192-row programs) serves a forward
+    from its min_keys keys on; shorter calls, narrower windows, other head dims and overridden
+    forward tiles keep what they had."""
+    from flashforge.ops.triton import attention as launchers
+    from flashforge.ops.triton import configs
+    long = configs.gluon_config(64, 2, causal, (9, 0), "fwd_long")
+    one = configs.gluon_config(64, 2, causal, (9, 0))
+    assert long is not None and long.consumers == 3 and long.block_m == 192 and long.min_keys > 0
+    assert one is not None and one.consumers == 1
+    assert configs.gluon_config(128, 2, causal, (9, 0), "fwd_long") is None
+    right = 0 if causal else -1
+    n = long.min_keys
+    for S, kw, want in [(n, {}, long), (n - 64, {}, one), (n, dict(window_left=n - 1), one),
+                        (n, dict(window_left=n), long)]:
+        q = torch.empty(1, S, 2, 64, dtype=torch.bfloat16)
+        got = launchers._long_fwd(one, q, q, q, None, _params(window_right=right, **kw), (9, 0))
+        assert got == want, (S, kw, got)
+    q = torch.empty(1, n, 2, 128, dtype=torch.bfloat16)
+    g128 = configs.gluon_config(128, 2, causal, (9, 0))
+    assert launchers._long_fwd(g128, q, q, q, None, _params(window_right=right), (9, 0)) == g128
+    configs.set_config("fwd", 64, 2, TileConfig(64, 64, 4, 2, gluon=True))
+    try:
+        assert configs.gluon_config(64, 2, causal, (9, 0), "fwd_long") is None
+    finally:
+        configs.set_config("fwd", 64, 2, None)
+
+
 def test_register_operand_ws_backward_is_for_d64_only():
     """rs (P^T and dS^T as register operands) serves D = 64; at D = 128 ptxas serializes its
     products, so the launcher takes the portable dK/dV kernel there."""

@@ -266,6 +266,19 @@ def test_three_consumers_against_reference(c, dtype, variant, monkeypatch):
     assert calls, "the Gluon forward was not used"
 
 
+@pytest.mark.parametrize("c, dtype", [
+    case("S4100-D64-table", BF16, B=1, Sq=4100, Sk=4100, Hq=2, Hkv=1, D=64),
+    case("S8200-D64-causal-table", F16, B=1, Sq=8200, Sk=8200, Hq=1, Hkv=1, D=64, causal=True)])
+def test_table_long_d64_forward_takes_three_consumers(c, dtype, monkeypatch):
+    """The table's own path: from its "fwd_long" entry's min_keys on, D = 64 runs three consumers."""
+    cfgs = []
+    real = gluon_attention.attention_forward
+    monkeypatch.setattr(gluon_attention, "attention_forward",
+                        lambda q, k, v, params, cfg, *a, **kw: cfgs.append(cfg) or real(q, k, v, params, cfg, *a, **kw))
+    check_case(c, "triton", device="cuda", dtype=dtype)
+    assert cfgs and all(g.consumers == 3 for g in cfgs), cfgs
+
+
 def test_three_consumers_refused_past_d64_take_the_portable_kernel(monkeypatch):
     """Three consumers at D = 128 do not fit their registers: the launcher refuses them, and the
     portable kernel runs the call with a power-of-two number of rows (not 192)."""

@@ -196,6 +196,8 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
     cfg = get_config("fwd", max(D, Dv), q.element_size(), interpret, causal=params.window_right >= 0, arch=_arch(q))
     if not interpret:
         g_cfg = cfg if cfg.gluon else gluon_config(max(D, Dv), q.element_size(), params.window_right >= 0, _arch(q))
+        if g_cfg is not None and not cfg.gluon:
+            g_cfg = _long_fwd(g_cfg, q, k, v, mask, params, _arch(q))
         if g_cfg is None:
             explain("forward", "portable kernel", _no_gluon_tiles, max(D, Dv), q, _arch(q))
         else:
@@ -264,7 +266,9 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
         ROPE_DIM=0 if rope is None else rope.rotary_dim, ROPE_INTERLEAVED=rope is not None and rope.interleaved,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_padded(D, Dv), BLOCK_DV=_padded(D, Dv),
         SCALE_POS=params.scale > 0, WS=cfg.ws and not interpret,
-        POLY_EXP2=cfg.poly_exp2 if q.element_size() == 2 else 0, PDL=pdl, STORE_LO=store_lo,
+        # (poly_exp2 not with dropout: Triton 3.6 fails to lower its column split beside the
+        # dropout's keep tile, an assertion in applyLinearLayout, seen on the H200)
+        POLY_EXP2=cfg.poly_exp2 if q.element_size() == 2 and not params.has_dropout else 0, PDL=pdl, STORE_LO=store_lo,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -276,6 +280,19 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
             BLOCK_DV=_padded(Dv, Dv), PDL=pdl, launch_pdl=pdl,
         )
     return o, lse
+
+
+def _long_fwd(g_cfg, q, k, v, mask, params: AttnParams, arch):
+    """The table's Gluon forward tiles for this call: its "fwd_long" entry (D = 64: three consumers,
+    192-row programs) where the call has its min_keys keys, no window narrower, and the entry's
+    kernel takes it; else `g_cfg`.  Why: on the H200 (bf16, benchmarks/RESULTS.md v0.9.4) 192 x 128
+    tiles ran 1.03x the one-warpgroup kernel at S = 4k and 1.12x at 16k, causal 0.96x at 4k and
+    1.08x at 16k, but 0.80x (causal 0.54x) at 1k, where a program's fixed costs weigh."""
+    D = max(q.shape[3], v.shape[3])
+    long = gluon_config(D, q.element_size(), params.window_right >= 0, arch, "fwd_long")
+    if long is None or 0 <= params.window_left < long.min_keys:
+        return g_cfg
+    return long if gluon_attention.forward_reason(q, k, v, mask, params, long, arch) is None else g_cfg
 
 
 def _long_bwd_kv(g_kv, k, D: int, elem: int, arch, params: AttnParams):

@@ -45,7 +45,8 @@ class TileConfig:
     # portable kernel with the same tiles
     gluon: bool = False
     # gluon only: serve calls with at least this many keys (the forward: the portable kernel below
-    # it; a "bwd_kv_ws" or "bwd_kv_ws_mid" entry: the next one, then the "bwd_kv" one below it)
+    # it; a "fwd_long" entry: the "fwd_gluon" one; a "bwd_kv_ws" or "bwd_kv_ws_mid" entry: the next
+    # one, then the "bwd_kv" one below it)
     min_keys: int = 0
     # gluon only: slots in V's ring (0: num_stages, as K's).  One lets 64 x 128 tiles at
     # D = 128 (112 KB) run two programs per SM; V's copy then hides behind one tile's q k^T
@@ -109,6 +110,15 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # at S = 16k causal (1.09)
     ("fwd_gluon", 128, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, pingpong=True),
     ("fwd_gluon_causal", 64, 2): TileConfig(64, 64, 4, 2, gluon=True),
+    # D = 64 with many keys: the warp-specialized kernel with three consumers (192 query rows a
+    # program, each K / V tile copied once for them; FA4's D = 64 tiles).  H200, bf16, against the
+    # one-warpgroup tiles above in one process (RESULTS.md v0.9.4, ws_fwd_gpu.py): S = 1k / 4k / 16k
+    # 375 / 472 / 500 TFLOP/s against 467 / 456 / 446, causal 186 / 373 / 437 against 341 / 391 /
+    # 403 (192 x 64 tiles: 424-425 at 16k causal); exp2 on the FMA pipes (poly_exp2) lost 8-27%
+    # on every row.  Below min_keys, or with a narrower window, the entries above serve
+    # (`attention._long_fwd`)
+    ("fwd_long_gluon", 64, 2): TileConfig(192, 128, 4, 2, gluon=True, consumers=3, min_keys=4096),
+    ("fwd_long_gluon_causal", 64, 2): TileConfig(192, 128, 4, 2, gluon=True, consumers=3, min_keys=8192),
     # D = 128 causal at S = 1k: v0.4.0's benchmark read Gluon 263 TFLOP/s against the portable
     # tiles' 329 and kept Gluon from 2k keys on; v0.5.0 timed both in one process
     # (benchmarks/profile/short_calls.py): Gluon 348 in a CUDA graph and 307 eager against the portable
@@ -222,7 +232,8 @@ _GENERIC: dict[tuple[str, int, int], TileConfig] = {
 _TABLES: dict[tuple[int, int], dict] = {(9, 0): _SM90}
 _TABLE = _SM90  # the measured table (tests and tools read it)
 _INTERPRETER = TileConfig(16, 16, 1, 1)
-KINDS = ("fwd", "fwd_causal", "fwd_decode", "fwd_gluon", "fwd_gluon_causal", "bwd_kv", "bwd_kv_dropout", "bwd_q",
+KINDS = ("fwd", "fwd_causal", "fwd_decode", "fwd_gluon", "fwd_gluon_causal", "fwd_long_gluon", "fwd_long_gluon_causal",
+         "bwd_kv", "bwd_kv_dropout", "bwd_q",
          "bwd_kv_gluon", "bwd_kv_ws_gluon", "bwd_kv_ws_mid_gluon", "bwd_q_gluon")
 _overrides: dict[tuple[str, int, int], TileConfig] = {}
 ENV_FILE = "FLASHFORGE_TILE_CONFIGS"
@@ -350,12 +361,13 @@ def gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, i
 def _gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, int],
                   kind: str = "fwd") -> TileConfig | None:
     bucket = _bucket(head_dim)
-    base_keys = [(kind, bucket, elem_size)] + ([("fwd_causal", bucket, elem_size)] if causal and kind == "fwd" else [])
+    base = "fwd" if kind == "fwd_long" else kind  # (overriding the forward's tiles overrides both)
+    base_keys = [(base, bucket, elem_size)] + ([("fwd_causal", bucket, elem_size)] if causal and base == "fwd" else [])
     if any(key in source for source in (_overrides, _from_env) for key in base_keys):
         return None
     keys = [(kind + "_gluon", bucket, elem_size)]
-    if causal and kind == "fwd":
-        keys.insert(0, ("fwd_gluon_causal", bucket, elem_size))
+    if causal and base == "fwd":
+        keys.insert(0, (kind + "_gluon_causal", bucket, elem_size))
     return _lookup(keys, arch)
 
 
