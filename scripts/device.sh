@@ -11,13 +11,15 @@
 # FA4: where its staged packages are ($FF_FA4_SITE, default $HOME/.cache/fa4/site; two device calls
 # stage them, ../shared/tools/fa4/README.md), bench and compare get them on PYTHONPATH (the tests never
 # use FA4); without them FA4's column is "-" and the ratios are to cuDNN alone, as the tables say.
+# (This tree is ~8 MiB: with .fa4a's 58 MiB it passes a call's 64 MiB.  v0.9.4 moved rt.so.xz into
+# .fa4a and ir.so.xz into .fa4b, with stage scripts adjusted to match: 23 MiB, then 48 MiB a call.)
 # Time: the parts share FF_BUDGET seconds (default 500: a 9-minute call with time to stage FA4 and to
 # print); each gets what is left less FF_RESERVE seconds (default 150) for every part after it, at most
 # its cap: FF_TEST_LIMIT (default 300), FF_BENCH_LIMIT (330), FF_COMPARE_LIMIT (360).  FF_TEST_WORKERS=N
 # spreads the tests over N pytest-xdist processes (default: one); FF_PYTEST_ARGS are added to pytest's
 # arguments (e.g. a --deselect), with the default file list or without.  FF_TEST_SHARD=1, 2 or 3 runs one
 # part of the default file list (three calls for the whole suite; on 14 workers
-# the second took 293 s and the third's files 86 s at v0.9.3, the first ~220-300 s, not yet run alone).
+# the second took 293 s and the third's files 86 s at v0.9.3; the first and third together 407 s at v0.9.4).
 # Prints the pytest summary, the benchmark tables and one status line per part last; exits non-zero if
 # a part fails or runs out of time.
 set -uo pipefail
