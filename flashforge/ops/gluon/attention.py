@@ -136,6 +136,11 @@ def _scores_in_scope(q, k, v, mask, params: AttnParams, arch: tuple[int, int]) -
     return scope_reason(q, k, v, mask, params, arch) is None
 
 
+def key_count(k, params: AttnParams) -> int:
+    """The keys a call's longest sequence has (what a tile entry's min_keys is compared with)."""
+    return params.max_seqlen_k if params.is_varlen else k.shape[1]
+
+
 def forward_reason(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]) -> str | None:
     """Why the Gluon forward does not compute this call with tiles `cfg`, or None where it does:
     `scope_reason`, tensors the copy engine can read, tiles of one warp per 16 query rows, and at
@@ -143,7 +148,7 @@ def forward_reason(q, k, v, mask, params: AttnParams, cfg, arch: tuple[int, int]
     reason = scope_reason(q, k, v, mask, params, arch)
     if reason is not None:
         return reason
-    if (params.max_seqlen_k if params.is_varlen else k.shape[1]) < cfg.min_keys:
+    if key_count(k, params) < cfg.min_keys:
         return f"fewer than the tiles' min_keys = {cfg.min_keys} keys"
     if cfg.consumers in (2, 3):
         if cfg.block_m != 64 * cfg.consumers or cfg.num_warps != 4:

@@ -290,7 +290,8 @@ def _long_fwd(g_cfg, q, k, v, mask, params: AttnParams, arch):
     1.08x at 16k, but 0.80x (causal 0.54x) at 1k, where a program's fixed costs weigh."""
     D = max(q.shape[3], v.shape[3])
     long = gluon_config(D, q.element_size(), params.window_right >= 0, arch, "fwd_long")
-    if long is None or 0 <= params.window_left < long.min_keys:
+    # (the key count first: a short call is not scoped twice, here and by the caller)
+    if long is None or gluon_attention.key_count(k, params) < long.min_keys or 0 <= params.window_left < long.min_keys:
         return g_cfg
     return long if gluon_attention.forward_reason(q, k, v, mask, params, long, arch) is None else g_cfg
 
@@ -305,7 +306,7 @@ def _long_bwd_kv(g_kv, k, D: int, elem: int, arch, params: AttnParams):
     and 16k, but 0.90-1.06x at 4k and 0.82-0.89x at 1k (a program's fixed costs, its zeroed
     accumulator and conversion), and 0.85x with a causal window of 1023 at S = 16k (~17 query
     tiles a key block); at D = 64 and S = 4k the register-operand one ran 1.03-1.11x."""
-    keys = params.max_seqlen_k if params.is_varlen else k.shape[1]
+    keys = gluon_attention.key_count(k, params)
     for kind in ("bwd_kv_ws", "bwd_kv_ws_mid"):
         ws = gluon_config(D, elem, False, arch, kind)
         if ws is None or keys < ws.min_keys or 0 <= params.window_left < ws.min_keys:
