@@ -354,6 +354,14 @@ BWD_VARIANTS = {
                           TC(64, 64, 4, 3, gluon=True)),
     "kv-ws-fused-shared-rs-s2": (TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True, rs=True),
                                  TC(64, 64, 4, 3, gluon=True)),
+    # ... each consumer computing half of every tile's dQ (half_dq, FA3's layout): 128-query tiles
+    # at D = 64, 64-query tiles at D = 128 (a {bucket: pair} entry); a tile's dQ part issued with the
+    # next tile's products (overlap) or with its own
+    **{f"kv-halfdq-s{st}{'' if ov else '-lockstep'}": {
+        64: (TC(128, 128, 4, st, gluon=True, consumers=2, fused_dq=True, half_dq=True, overlap=ov),
+             TC(64, 64, 4, 3, gluon=True)),
+        128: (TC(64, 128, 4, st, gluon=True, consumers=2, fused_dq=True, half_dq=True, overlap=ov),
+              TC(64, 64, 4, 3, gluon=True))} for st, ov in ((2, True), (3, True), (2, False))},
 }
 
 
@@ -377,8 +385,9 @@ def gluon_bwd_calls(request, monkeypatch):
     pair = BWD_VARIANTS[request.param]
     if pair is not None:
         for bucket in (64, 128):
-            configs.set_config("bwd_kv", bucket, 2, pair[0])
-            configs.set_config("bwd_q", bucket, 2, pair[1])
+            kv_q = pair[bucket] if isinstance(pair, dict) else pair
+            configs.set_config("bwd_kv", bucket, 2, kv_q[0])
+            configs.set_config("bwd_q", bucket, 2, kv_q[1])
     calls = _bwd_spies(monkeypatch)
     yield calls
     for bucket in (64, 128):

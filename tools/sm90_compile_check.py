@@ -104,6 +104,8 @@ def compile_all(log, found=None):
         if launch_key(args) is None:  # the launch cache (ops/launch.py) would not serve it
             failures.append((fn.__name__, {}, TypeError("an argument without a launch-cache rule")))
             print(f"FAIL {fn.__name__}: launch_key found an argument type it has no rule for", flush=True)
+        if ONLY and ONLY not in fn.__name__:
+            continue
         sig, consts, options, attrs = _signature(fn, args, kwargs)
         key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in consts.items())),
                tuple(sorted(options.items())))
@@ -134,6 +136,7 @@ def compile_all(log, found=None):
     return failures
 
 
+ONLY = ""  # --only: compile only the kernels whose name contains this
 WGMMA_CHECK = False  # --wgmma: ask ptxas, for each Gluon kernel, whether it serialized the wgmma pipeline
 
 
@@ -198,6 +201,8 @@ def record_launches(log: list) -> None:
         gluon_launcher._ws_dq_kernel = lambda: Recorder(ws_dq, log)
         ws_kv = _KERNELS.setdefault("gluon_ws_dkdv", gluon_launcher._ws_dkdv_kernel())
         gluon_launcher._ws_dkdv_kernel = lambda: Recorder(ws_kv, log)
+        half = _KERNELS.setdefault("gluon_halfdq", gluon_launcher._halfdq_dkdv_kernel())
+        gluon_launcher._halfdq_dkdv_kernel = lambda: Recorder(half, log)
     gluon_bwd = _KERNELS.setdefault("gluon_bwd", gluon_launcher._bwd_kernels())
     if gluon_bwd is not None:
         gluon_launcher._bwd_kernels = lambda: tuple(Recorder(k, log) for k in gluon_bwd)
@@ -302,6 +307,21 @@ def record(quick: bool):
             launchers.get_config = lambda kind, d, e, interpret, ws_kv=ws_kv, **kw: (
                 ws_kv if kind == "bwd_kv" else real_get(kind, d, e, False, **kw))
             for D in (64, 128) if gluon_launcher.bwd_tiles_fit("bwd_kv", ws_kv, 128) else (64,):
+                run(D=D)
+                run(D=D, window_left=40, window_right=0, softcap=20.0, dtype=torch.float16)
+                run(D=D, window_right=0, lo=False, alibi_slopes=torch.rand(2, 4))
+                run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
+                    window_right=0, offset_bottom_right=True)
+        # the half-dQ dK/dV kernel (each consumer half of every tile's dQ): 128-query tiles at D = 64,
+        # 64 at D = 128, two and three stages, a tile's dQ part deferred to the next tile (overlap) or not
+        for D, bm in ((64, 128), (128, 64)):
+            for stages, ov in ((2, True), (3, True), (2, False)):
+                ws_kv = configs.TileConfig(bm, 128, 4, stages, gluon=True, consumers=2, fused_dq=True, half_dq=True,
+                                           overlap=ov)
+                if not gluon_launcher.bwd_tiles_fit("bwd_kv", ws_kv, D):
+                    continue
+                launchers.get_config = lambda kind, d, e, interpret, ws_kv=ws_kv, **kw: (
+                    ws_kv if kind == "bwd_kv" else real_get(kind, d, e, False, **kw))
                 run(D=D)
                 run(D=D, window_left=40, window_right=0, softcap=20.0, dtype=torch.float16)
                 run(D=D, window_right=0, lo=False, alibi_slopes=torch.rand(2, 4))
@@ -418,7 +438,7 @@ WS_VARIANTS = {
 
 
 def main():
-    global TARGET, SMEM_LIMIT, WGMMA_CHECK
+    global TARGET, SMEM_LIMIT, WGMMA_CHECK, ONLY
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the common variants")
     ap.add_argument("--wgmma", action="store_true",
@@ -426,8 +446,9 @@ def main():
     ap.add_argument("--arch", default="90",
                     help="comma-separated compute capabilities, e.g. 90,80,89 (default 90); each "
                          "compiles the variants its own tile table produces, against its shared-memory limit")
+    ap.add_argument("--only", default="", help="compile only the kernels whose name contains this")
     args = ap.parse_args()
-    WGMMA_CHECK = args.wgmma
+    WGMMA_CHECK, ONLY = args.wgmma, args.only
     failures = []
     for arch in (int(a) for a in args.arch.split(",")):
         if arch not in SMEM_LIMITS:

@@ -65,6 +65,12 @@ def _ws_dkdv_kernel():
 
 
 @functools.lru_cache(maxsize=None)
+def _halfdq_dkdv_kernel():
+    from .attention_bwd_dkdv_halfdq_sm90 import attn_bwd_dkdv_halfdq_sm90_kernel
+    return attn_bwd_dkdv_halfdq_sm90_kernel
+
+
+@functools.lru_cache(maxsize=None)
 def _ws_dq_kernel():
     from .attention_bwd_dq_ws_sm90 import attn_bwd_dq_ws_sm90_kernel
     return attn_bwd_dq_ws_sm90_kernel
@@ -83,7 +89,11 @@ def ws_shared_bytes(cfg, D: int, resident: int = 1) -> int:
 
 def ws_dkdv_shared_bytes(cfg, D: int) -> int:
     """The warp-specialized dK/dV kernel's: both consumers' K and V, the Q / dO ring, both P and
-    dS tiles (16-bit) and both dQ buffers (float32), 1 KB more."""
+    dS tiles (16-bit) and both dQ buffers (float32), 1 KB more.  half_dq: the ring's tiles are
+    block_m rows, two two-slot dS^T rings of block_m x 64, two [64, 64] float32 dQ parts."""
+    if cfg.half_dq:
+        return 2 * (4 * 64 * D + 2 * max(2, cfg.num_stages) * cfg.block_m * D + 2 * 2 * 64 * cfg.block_m) + \
+            2 * 64 * 64 * 4 + 1024
     return 2 * (4 * 64 * D + 2 * max(2, cfg.num_stages) * 64 * D + 4 * 64 * 64) + 2 * 64 * D * 4 + 1024
 
 
@@ -303,6 +313,9 @@ def bwd_tiles_fit(kind: str, cfg, head_dim: int) -> bool:
     if cfg.consumers > 2:  # (three consumers: the forward's only)
         return False
     if cfg.consumers == 2:  # the warp-specialized kernels: two 64-row consumers of 4 warps
+        if kind == "bwd_kv" and cfg.half_dq:  # 128-query tiles at D = 64, 64 at D = 128
+            return cfg.block_n == 128 and cfg.num_warps == 4 and not cfg.split_kv and \
+                (head_dim, cfg.block_m) in ((64, 128), (128, 64)) and ws_dkdv_shared_bytes(cfg, head_dim) <= _SMEM_SM90
         if kind == "bwd_kv":  # (dQ fused: `fuses_dq` says where it serves)
             return cfg.block_n == 128 and cfg.block_m == 64 and cfg.num_warps == 4 and head_dim <= 128 and \
                 not cfg.split_kv and ws_dkdv_shared_bytes(cfg, head_dim) <= _SMEM_SM90 and \
@@ -455,6 +468,12 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
                 lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
                 Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod, dq_descriptor(dq_acc, params))
         for second in ((False,) if lse_lo is None else (False, True)):
+            if cfg.half_dq:
+                rec.launch(_halfdq_dkdv_kernel(), grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags,
+                           BLOCK_M=cfg.block_m, D=D, STAGES=max(2, cfg.num_stages), VARLEN=params.is_varlen,
+                           HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, CONSUMER_REGS=_WS_REGS[0],
+                           LOADER_REGS=_WS_REGS[1], DEFER=cfg.overlap, num_warps=4)
+                continue
             rec.launch(_ws_dkdv_kernel(), grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags,
                        BLOCK_M=cfg.block_m, D=D, STAGES=max(2, cfg.num_stages), VARLEN=params.is_varlen,
                        HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready, CONSUMER_REGS=_WS_REGS[0],

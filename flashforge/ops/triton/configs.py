@@ -67,6 +67,10 @@ class TileConfig:
     # bwd_kv, consumers = 2, D = 64 only: scores keys by queries, P^T and dS^T as register A
     # operands of dV and dK (only dS^T through shared memory); opt-in, not yet run on a GPU
     rs: bool = False
+    # bwd_kv, consumers = 2 only (ops/gluon/attention_bwd_dkdv_halfdq_sm90.py): register operands
+    # as rs, and each consumer computes half of every query tile's dQ from both consumers' dS
+    # (FA3's layout): block_m = 128 query rows at D = 64 (rows split), 64 at D = 128 (columns split)
+    half_dq: bool = False
 
 
 # (pass, head-dim bucket, bytes per element) -> config, one table per GPU architecture.

@@ -1,0 +1,353 @@
+"""Hopper (sm_90) dK/dV kernel in Gluon, warp-specialized, dQ fused, each consumer computing half of
+every query tile's dQ from both consumers' dS (FA3's backward layout; issue 18).
+
+Why: `attention_bwd_dkdv_ws_sm90` is bound by shared-memory traffic (RESULTS.md v0.9.1-v0.9.3).
+Its scores are 64 x 64 products whose operands both come from shared memory (at 64 columns a
+wgmma reads as many bytes as it has clocks of work), P and dS make a round trip through shared
+memory as the dV and dK products' A operands, and one consumer's dQ_t is D wide, so at D = 128
+the register-operand form (`_rs_consumer`) does not fit.  Here, a program owning 128 keys (two
+consumer warpgroups of 64, a loader warp, a dQ writer warp, as there):
+
+- scores are formed keys by queries, S^T = K_c Q^T and dP^T = V_c dO^T, with query tiles of
+  BLOCK_M = 128 at D = 64 (64 x 128 products: a third fewer operand bytes a flop than 64 x 64)
+  and 64 at D = 128;
+- P^T and dS^T stay in registers as the A operands of dV += P^T dO and dK += dS^T Q; only dS^T is
+  stored, into a two-slot ring of [64 keys, 64 queries] tiles, one ring a consumer;
+- once both consumers' dS^T of a tile are stored, each computes half of that tile's dQ over all
+  128 keys: at BLOCK_M = 128 the query rows [64 c, 64 c + 64) (dS's rows from both rings, by K),
+  at D = 128 the columns [64 c, 64 c + 64) (dS by K's column half).  A [64, 64] float32 part a
+  consumer (32 registers, where a D-wide dQ_t took 64), which is what makes D = 128 fit;
+- the writer warp hands each part to the copy engine's reduce-add into the zeroed float32
+  accumulator, as there.
+
+A tile's S^T is awaited before dP^T, so P^T is formed (and lse dropped) while dP^T runs; delta is
+read after.  Shared scope with the ws kernel: D in {64, 128}, not deterministic, lse_lo's two
+launches (LO_PASS), causal, windows, softcap, ALiBi, GQA, packed batches.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .attention_bwd_dkdv_ws_sm90 import _half_masks, _kv_loader, _resident_kv, _store_dq, _tile_masked, _tile_rows
+from .attention_bwd_sm90 import _lo_needed, _lse2
+from .pipeline import copy_out, key_block, query_window, reduce_out, wait
+from .rounding import exponent, fused_score
+from .scores import modified_score
+from .ws_pipeline import HALF
+
+DS_STAGES = gl.constexpr(2)  # dS^T slots a consumer: tile t + 1's is stored while tile t's dQ reads
+
+
+@gluon.jit
+def _probs(st, cols, rows, m, nc, lse2, lo, Sk, offset, span, qk_scale, scale, softcap, slope, alibi_off,
+           MASKED: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+           HAS_ALIBI: gl.constexpr, USE_LO: gl.constexpr, FUSE: gl.constexpr):
+    """(P^T, the softcap's tanh) of S^T [keys nc + rows, queries m + cols], as
+    `attention_bwd_sm90._dst_tile` forms them (the forward's score exactly); a masked tile also
+    masks keys from Sk on (zero-filled, and their P^T, exp2(-lse), could overflow where lse is far
+    below 0).  The masks compare the tile-relative rows and cols with scalars: index vectors of
+    128 queries cost 32 registers a thread each (64 as addresses), which spilled."""
+    if HAS_SOFTCAP or HAS_ALIBI:
+        s2, tc = modified_score(st, cols[None, :], rows[:, None], qk_scale, scale, softcap, slope,
+                                alibi_off + (m - nc), HAS_SOFTCAP, HAS_ALIBI)
+        x = s2 - lse2[None, :]
+    else:
+        x = exponent(st, qk_scale, lse2[None, :], FUSE)
+        tc = x
+    if MASKED:  # key n visible from query i iff n <= i + offset (CAUSAL) and n >= i + offset - span (HAS_WL)
+        d = rows[:, None] - cols[None, :]
+        if CAUSAL:
+            x = gl.where(d <= m + offset - nc, x, float("-inf"))
+        if HAS_WL:
+            x = gl.where(d >= m + (offset - span) - nc, x, float("-inf"))
+        x = gl.where(rows[:, None] < Sk - nc, x, float("-inf"))
+    if USE_LO:
+        x = x - lo[None, :]
+    return gl.exp2(x), tc
+
+
+@gluon.jit
+def _row_vector(X, cols, n):
+    # X[cols] where cols < n, from a scalar base pointer (one address register and immediate
+    # offsets, not an address a column)
+    return gl.load(X + cols, mask=cols < n, other=0.0)
+
+
+@gluon.jit
+def _store_ds(dst16, ds_ring, s, BLOCK_M: gl.constexpr):
+    # dS^T [64 keys, BLOCK_M queries] into slot s: one [64, 64] tile a 64-query half (at 128
+    # queries, each thread's own registers split by column half: no data moves)
+    if BLOCK_M == 128:
+        lo_half, hi_half = dst16.reshape([HALF, 2, HALF]).permute(0, 2, 1).split()
+        ds_ring.index(2 * s).store(lo_half)
+        ds_ring.index(2 * s + 1).store(hi_half)
+    else:
+        ds_ring.index(s).store(dst16)
+
+
+@gluon.jit
+def _dq_part(ds_mine, ds_other, k_t, k_o, s, dq_zero, ME: gl.constexpr, BLOCK_M: gl.constexpr):
+    """This consumer's half of tile dQ_t = dS K over the block's 128 keys (unscaled), issued: at
+    BLOCK_M = 128 query rows [64 ME, 64 ME + 64), else (D = 128) columns [64 ME, 64 ME + 64).
+    A: dS from the consumers' dS^T rings (a transposed view), B: their K."""
+    if BLOCK_M == 128:
+        dq = warpgroup_mma(ds_mine.index(2 * s + ME).permute((1, 0)), k_t, dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_other.index(2 * s + ME).permute((1, 0)), k_o, dq, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_mine.index(s).permute((1, 0)), k_t.slice(ME * HALF, HALF, dim=1), dq_zero,
+                           use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_other.index(s).permute((1, 0)), k_o.slice(ME * HALF, HALF, dim=1), dq,
+                           is_async=True)
+    return dq
+
+
+@gluon.jit
+def _half_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, k_other, kv_bar_other, q_ring,
+                   do_ring, ready, empty, ds_mine, ds_other, ds_ready, ds_free, dq_smem, dq_full, dq_empty, b, hk,
+                   group, n0, k_start, Sk, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh,
+                   qk_scale, scale, softcap, SL, stride_sh, alibi_off, ME: gl.constexpr, CAUSAL: gl.constexpr,
+                   HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr,
+                   D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr,
+                   DQ_N: gl.constexpr, DEFER: gl.constexpr):
+    """dK, dV of keys n0 + 64 ME + [0, 64), and half of every tile's dQ (module docstring)."""
+    dtype: gl.constexpr = k_smem.dtype
+    FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+    # S^T / dP^T: [keys, queries]; dK / dV: [keys, D]; the dQ part: [64, 64]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    nc, n_masked_c, n_lfull_c, tail = _half_masks(n0, n_masked, n_lfull, Sk, offset, span, n_mt, mt_lo, ME, CAUSAL,
+                                                  HAS_WL, BLOCK_M)
+    n_mt_div = gl.maximum(n_mt, 1)
+    rows = gl.arange(0, HALF, layout=row_s)  # (tile-relative key and query indices)
+    cols = gl.arange(0, BLOCK_M, layout=col_s)
+    s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([HALF, HALF], gl.float32, layout=dq_layout)
+    dk = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([HALF, D], gl.float32, layout=acc_layout)
+    k_t, v_t, k_o = _resident_kv(k_smem, v_smem, kv_bar, k_other, kv_bar_other, D, True)
+    for t in range(T):
+        wait(ready, t, STAGES)
+        q_s = q_ring.index(t % STAGES).reshape([BLOCK_M, D])
+        do_s = do_ring.index(t % STAGES).reshape([BLOCK_M, D])
+        st = warpgroup_mma(k_t, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_t, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
+        row0 = row_b + h.to(gl.int64) * stride_lh + m
+        lse2, lo = _lse2(LSE + row0, LSE_LO + row0, 0, cols, Sq - m, USE_LO)
+        if HAS_ALIBI:
+            slope = gl.load(SL + h * stride_sh)
+        else:
+            slope = 0.0
+        sv = warpgroup_mma_wait(1, deps=(st, ))  # (S^T retired; dP^T may still run)
+        if _tile_masked(t, n_mt_div, n_masked_c, n_lfull_c, tail, HAS_WL):
+            pt, tc = _probs(sv, cols, rows, m, nc, lse2, lo, Sk, offset, span, qk_scale, scale, softcap, slope,
+                            alibi_off, True, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, USE_LO, FUSE)
+        else:
+            pt, tc = _probs(sv, cols, rows, m, nc, lse2, lo, Sk, offset, span, qk_scale, scale, softcap, slope,
+                            alibi_off, False, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, USE_LO, FUSE)
+        delta = _row_vector(DELTA + row0, cols, Sq - m)
+        dpv = warpgroup_mma_wait(0, deps=(dpt, ))
+        dst = pt * (dpv - delta[None, :])
+        if HAS_SOFTCAP:  # with respect to the raw product
+            dst = dst * (1.0 - tc * tc)
+        dst16 = dst.to(dtype)
+        s = t % DS_STAGES
+        if t >= DS_STAGES:  # both consumers' dQ of tile t - DS_STAGES have read this slot
+            mbarrier.wait(ds_free.index(s), (t // DS_STAGES - 1) & 1)
+        _store_ds(dst16, ds_mine, s, BLOCK_M)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(s), count=1)
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dst_op = gl.convert_layout(dst16, op_layout)
+        dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
+        dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
+        if DEFER:
+            # the dQ part of tile t - 1, not t: the consumers then wait for each other's dS^T a
+            # tile late, so one's element-wise work can overlap the other's products (waiting for
+            # this tile's, they meet every tile and leave the tensor cores idle together).  At
+            # t = 0 the product reads a slot not yet written, and its result is dropped (no branch
+            # around it: a product in a branch left ptxas short of registers and it serialized them)
+            u = t - 1
+            sp = (t + DS_STAGES - 1) % DS_STAGES
+            if t > 0:
+                mbarrier.wait(ds_ready.index(sp), (u // DS_STAGES) & 1)
+            dq = _dq_part(ds_mine, ds_other, k_t, k_o, sp, dq_zero, ME, BLOCK_M)
+        else:
+            u = t
+            sp = s
+            mbarrier.wait(ds_ready.index(s), (t // DS_STAGES) & 1)  # the other's dS^T of this tile stored too
+            dq = _dq_part(ds_mine, ds_other, k_t, k_o, s, dq_zero, ME, BLOCK_M)
+        dq, dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dq, dv, dk, pt_op, dst_op))
+        mbarrier.arrive(empty.index(t % STAGES), count=1)
+        if u >= 0:
+            mbarrier.arrive(ds_free.index(sp), count=1)
+            _store_dq(dq * scale, dq_smem, dq_full, dq_empty, u, HALF, HALF, DQ_N)
+    if T > 0:
+        if DEFER:  # the last tile's dQ part
+            s_last = (T - 1) % DS_STAGES
+            mbarrier.wait(ds_ready.index(s_last), ((T - 1) // DS_STAGES) & 1)
+            dq = _dq_part(ds_mine, ds_other, k_t, k_o, s_last, dq_zero, ME, BLOCK_M)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            mbarrier.arrive(ds_free.index(s_last), count=1)
+            _store_dq(dq * scale, dq_smem, dq_full, dq_empty, T - 1, HALF, HALF, DQ_N)
+        # K's buffer takes dK: the other's last dQ must have read it
+        mbarrier.wait(ds_free.index((T - 1) % DS_STAGES), ((T - 1) // DS_STAGES) & 1)
+    k_smem.reshape([HALF, D]).store((dk * scale).to(dtype))
+    v_smem.reshape([HALF, D]).store(dv.to(dtype))
+    fence_async_shared()
+    copy_out(dk_desc, b, nc, hk, k_start, Sk, k_smem, VARLEN)
+    copy_out(dv_desc, b, nc, hk, k_start, Sk, v_smem, VARLEN)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _half_consumer1(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, k_other, kv_bar_other, q_ring,
+                    do_ring, ready, empty, ds_mine, ds_other, ds_ready, ds_free, dq_smem, dq_full, dq_empty, b, hk,
+                    group, n0, k_start, Sk, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh,
+                    qk_scale, scale, softcap, SL, stride_sh, alibi_off, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                    HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                    STAGES: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr, DQ_N: gl.constexpr,
+                    DEFER: gl.constexpr):
+    # the second half's keys, in a worker partition
+    _half_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, k_other, kv_bar_other, q_ring,
+                   do_ring, ready, empty, ds_mine, ds_other, ds_ready, ds_free, dq_smem, dq_full, dq_empty, b, hk,
+                   group, n0, k_start, Sk, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh,
+                   qk_scale, scale, softcap, SL, stride_sh, alibi_off, 1, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI,
+                   BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, DEFER)
+
+
+@gluon.jit
+def _part_writer(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt, mt_lo,
+                 BLOCK_M: gl.constexpr, DQ_N: gl.constexpr, VARLEN: gl.constexpr):
+    """Each tile's two dQ parts into the float32 accumulator by the copy engine's reduce-add; a
+    part's buffer goes back to its consumer once the reduces have read it."""
+    n_mt_div = gl.maximum(n_mt, 1)
+    for t in range(T):
+        m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
+        _reduce_part(dq_desc, dq_smem0, dq_full.index(0), dq_empty.index(0), t, b, m, h, q_start, Sq, 0, BLOCK_M,
+                     DQ_N, VARLEN)
+        _reduce_part(dq_desc, dq_smem1, dq_full.index(1), dq_empty.index(1), t, b, m, h, q_start, Sq, 1, BLOCK_M,
+                     DQ_N, VARLEN)
+
+
+@gluon.jit
+def _reduce_part(dq_desc, buf, full, empty, use, b, m, h, q_start, Sq, ME: gl.constexpr, BLOCK_M: gl.constexpr,
+                 DQ_N: gl.constexpr, VARLEN: gl.constexpr):
+    # consumer ME's part (rows or columns, `_dq_part`) once written; rows past the sequence's end
+    # are clipped by the copy engine
+    if BLOCK_M == 128:
+        row = m + ME * HALF
+        col = 0
+    else:
+        row = m
+        col = ME * HALF
+    mbarrier.wait(full, use & 1)
+    for p in gl.static_range(HALF // DQ_N):
+        reduce_out(dq_desc, b, row, h, col + p * DQ_N, q_start, Sq, buf.index(p), VARLEN)
+    tma.store_wait(0)
+    mbarrier.arrive(empty, count=1)
+
+
+@gluon.jit
+def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR,
+                                     stride_lb, stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group,
+                                     offset, bottom_right, span, qk_scale, scale, softcap, SLOPES, stride_sb,
+                                     stride_sh, right, dq_desc, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
+                                     HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr,
+                                     D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr,
+                                     HAS_LO: gl.constexpr, LO_PASS: gl.constexpr, FAR_READY: gl.constexpr,
+                                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                                     DEFER: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV of one 128-key block and its adds to dQ; the arguments mean
+    `attn_bwd_dkdv_ws_sm90_kernel`'s (k, v, dK, dV boxes: one consumer's 64 rows; q, dO boxes:
+    BLOCK_M rows, 128 at D = 64 and 64 at D = 128)."""
+    gl.static_assert(((BLOCK_M == 128) & (D == 64)) | ((BLOCK_M == 64) & (D == 128)),
+                     "128-query tiles at D = 64, 64-query tiles at D = 128")
+    dtype: gl.constexpr = q_desc.dtype
+    DQ_N: gl.constexpr = dq_desc.block_type.shape[len(dq_desc.block_type.shape) - 1]
+    BLOCK_N: gl.constexpr = 2 * HALF
+    NQH: gl.constexpr = BLOCK_M // HALF  # dS^T tiles a slot (one a 64-query half)
+    bh, b, hk, n0, q_start, Sq, k_start, Sk, offset, row_b = key_block(CU_Q, CU_K, ORDER, Hq, group, Sq, Sk, total_q,
+                                                                       total_k, offset, bottom_right, stride_lb,
+                                                                       BLOCK_N, VARLEN)
+    SL = SLOPES + b * stride_sb
+    alibi_off = offset - right
+    mt_lo, n_mt, n_masked, n_lfull = query_window(n0, Sq, Sk, offset, span, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL)
+    T = n_mt * group
+    # lse_lo's two launches, as the ws kernel's
+    if LO_PASS:
+        active = gl.load(FAR + bh) != 0
+        USE_LO: gl.constexpr = True
+    else:
+        active = True
+        USE_LO: gl.constexpr = False
+        if HAS_LO:
+            if FAR_READY:
+                far = gl.load(FAR + bh) != 0
+            else:
+                far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
+                if n0 == 0:  # (the first key block)
+                    gl.store(FAR + bh, far.to(gl.int32))
+            if far:  # the second launch computes this block; here its dK, dV are zeros
+                T = 0
+    if not active:
+        T = 0
+
+    k_smem0 = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem0 = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    k_smem1 = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem1 = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    ds_ring0 = gl.allocate_shared_memory(dtype, [DS_STAGES * NQH, HALF, HALF], ds_layout)
+    ds_ring1 = gl.allocate_shared_memory(dtype, [DS_STAGES * NQH, HALF, HALF], ds_layout)
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [HALF // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [HALF // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # a dS^T slot: stored by both consumers (ready), read by both consumers' dQ parts (free)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [DS_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [DS_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_bars.index(i), count=1)
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    for i in gl.static_range(DS_STAGES):
+        mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()
+
+    if active:
+        gl.warp_specialize([
+            (_half_consumer, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem0, v_smem0, kv_bars.index(0), k_smem1,
+                              kv_bars.index(1), q_ring, do_ring, ready, empty, ds_ring0, ds_ring1, ds_ready, ds_free,
+                              dq_smem0, dq_full.index(0), dq_empty.index(0), b, hk, group, n0, k_start, Sk, Sq,
+                              offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale,
+                              softcap, SL, stride_sh, alibi_off, 0, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M,
+                              D, STAGES, VARLEN, USE_LO, DQ_N, DEFER)),
+            (_half_consumer1, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem1, v_smem1, kv_bars.index(1), k_smem0,
+                               kv_bars.index(0), q_ring, do_ring, ready, empty, ds_ring1, ds_ring0, ds_ready, ds_free,
+                               dq_smem1, dq_full.index(1), dq_empty.index(1), b, hk, group, n0, k_start, Sk, Sq,
+                               offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale,
+                               softcap, SL, stride_sh, alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D,
+                               STAGES, VARLEN, USE_LO, DQ_N, DEFER)),
+            (_kv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring,
+                          do_ring, ready, empty, b, hk, group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M,
+                          STAGES, VARLEN)),
+            (_part_writer, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt,
+                            mt_lo, BLOCK_M, DQ_N, VARLEN)),
+        ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
