@@ -122,6 +122,8 @@ def compile_all(log, found=None):
             ptx = kernel.asm["ptx"]
             mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "fma"
             res = _resources(kernel.asm["cubin"])
+            if SASS_DIR:
+                res += " " + _dump_sass(kernel.asm["cubin"], fn.__name__, consts)
             if WGMMA_CHECK and mma == "wgmma" and source is GluonASTSource:
                 res += " " + _wgmma_serialized(ptx)
             print(f"ok   {fn.__name__:28s} {time.perf_counter() - t0:5.1f}s {mma:5s} "
@@ -132,11 +134,20 @@ def compile_all(log, found=None):
                                   regs=int(nums.get("regs", -1)), stack=int(nums.get("stack", -1))))
         except Exception as e:  # report every failure, then exit non-zero
             failures.append((fn.__name__, consts, e))
-            print(f"FAIL {fn.__name__}: {type(e).__name__}: {str(e)[:2000]}\n      {_flags(consts)}", flush=True)
+            print(f"FAIL {fn.__name__}: {type(e).__name__}: {str(e)[:2000]}{_root_cause(e)}\n      {_flags(consts)}", flush=True)
     return failures
 
 
+def _root_cause(e) -> str:
+    # the innermost error of a chained CompilationError (the outer ones repeat the source)
+    inner = e
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    return "" if inner is e else f"\n      cause: {type(inner).__name__}: {str(inner)[-1500:]}"
+
+
 ONLY = ""  # --only: compile only the kernels whose name contains this
+SASS_DIR = ""  # --sass: write each kernel's SASS there
 WGMMA_CHECK = False  # --wgmma: ask ptxas, for each Gluon kernel, whether it serialized the wgmma pipeline
 
 
@@ -158,6 +169,25 @@ def _wgmma_serialized(ptx: str) -> str:
             return "wgmma=?"
     why = re.search(r"wgmma.mma_async instructions are serialized due to (.*?) for the function", out)
     return f"wgmma=SERIALIZED({why.group(1)})" if why else "wgmma=ok"
+
+
+def _dump_sass(cubin: bytes, name: str, consts) -> str:
+    """The kernel's SASS into SASS_DIR (one file a variant, numbered in compile order), and its
+    spill traffic: the LDL and STL instructions in it (a partition's own count shows in the file)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return "ldl=? stl=?"
+    os.makedirs(SASS_DIR, exist_ok=True)
+    path = os.path.join(SASS_DIR, f"{len(os.listdir(SASS_DIR)):03d}_{name}.sass")
+    with open(path, "w") as out:
+        out.write(f"// {_flags(consts)}\n{sass}")
+    ldl, stl = (len(re.findall(rf"\b{op}\b", sass)) for op in ("LDL", "STL"))
+    return f"ldl={ldl} stl={stl} sass={path}"
 
 
 def _resources(cubin: bytes) -> str:
@@ -438,7 +468,7 @@ WS_VARIANTS = {
 
 
 def main():
-    global TARGET, SMEM_LIMIT, WGMMA_CHECK, ONLY
+    global TARGET, SMEM_LIMIT, WGMMA_CHECK, ONLY, SASS_DIR
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only the common variants")
     ap.add_argument("--wgmma", action="store_true",
@@ -447,8 +477,10 @@ def main():
                     help="comma-separated compute capabilities, e.g. 90,80,89 (default 90); each "
                          "compiles the variants its own tile table produces, against its shared-memory limit")
     ap.add_argument("--only", default="", help="compile only the kernels whose name contains this")
+    ap.add_argument("--sass", default="", metavar="DIR",
+                    help="write each compiled kernel's SASS into DIR and count its spill loads and stores")
     args = ap.parse_args()
-    WGMMA_CHECK, ONLY = args.wgmma, args.only
+    WGMMA_CHECK, ONLY, SASS_DIR = args.wgmma, args.only, args.sass
     failures = []
     for arch in (int(a) for a in args.arch.split(",")):
         if arch not in SMEM_LIMITS:

@@ -90,10 +90,12 @@ def ws_shared_bytes(cfg, D: int, resident: int = 1) -> int:
 def ws_dkdv_shared_bytes(cfg, D: int) -> int:
     """The warp-specialized dK/dV kernel's: both consumers' K and V, the Q / dO ring, both P and
     dS tiles (16-bit) and both dQ buffers (float32), 1 KB more.  half_dq: the ring's tiles are
-    block_m rows, two two-slot dS^T rings of block_m x 64, two [64, 64] float32 dQ parts."""
+    block_m rows, two two-slot dS^T rings of block_m x 64, two [64, 64] float32 dQ parts, and a
+    ring slot's lse and delta (float32, block_m each)."""
     if cfg.half_dq:
-        return 2 * (4 * 64 * D + 2 * max(2, cfg.num_stages) * cfg.block_m * D + 2 * 2 * 64 * cfg.block_m) + \
-            2 * 64 * 64 * 4 + 1024
+        stages = max(2, cfg.num_stages)
+        return 2 * (4 * 64 * D + 2 * stages * cfg.block_m * D + 2 * 2 * 64 * cfg.block_m) + \
+            2 * 64 * 64 * 4 + 2 * stages * cfg.block_m * 4 + 1024
     return 2 * (4 * 64 * D + 2 * max(2, cfg.num_stages) * 64 * D + 4 * 64 * 64) + 2 * 64 * D * 4 + 1024
 
 

@@ -26,13 +26,14 @@ launches (LO_PASS), causal, windows, softcap, ALiBi, GQA, packed batches.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_dkdv_ws_sm90 import _half_masks, _kv_loader, _resident_kv, _store_dq, _tile_masked, _tile_rows
-from .attention_bwd_sm90 import _lo_needed, _lse2
-from .pipeline import copy_out, key_block, query_window, reduce_out, wait
-from .rounding import exponent, fused_score
+from .attention_bwd_dkdv_ws_sm90 import _half_masks, _resident_kv, _store_dq, _tile_masked, _tile_rows
+from .attention_bwd_sm90 import _lo_needed
+from .pipeline import copy_out, copy_pair, key_block, query_window, reduce_out, wait
+from .rounding import LOG2E, exponent, fused_score, mul_rn
 from .scores import modified_score
 from .ws_pipeline import HALF
 
@@ -68,10 +69,19 @@ def _probs(st, cols, rows, m, nc, lse2, lo, Sk, offset, span, qk_scale, scale, s
 
 
 @gluon.jit
-def _row_vector(X, cols, n):
-    # X[cols] where cols < n, from a scalar base pointer (one address register and immediate
-    # offsets, not an address a column)
-    return gl.load(X + cols, mask=cols < n, other=0.0)
+def _tile_lse(lse_ring, LO, s, cols, n, layout: gl.constexpr, USE_LO: gl.constexpr):
+    """(lse in log2 units, its low part) of a tile's queries: lse from slot s of the ring the
+    loader fills (zeros past the sequence's end), the low part (second launch only) from global
+    memory at LO, this tile's first row (a third ring would take D = 128's three-stage tiles past
+    the shared memory).  lse is +inf past n queries, so P = 0 there; a fully masked row's -inf
+    shifts by 0 (`attention_bwd_sm90._lse2`'s meaning)."""
+    lse = lse_ring.index(s).load(layout)
+    lse2 = gl.where(cols < n, gl.where(lse == float("-inf"), 0.0, mul_rn(lse, LOG2E)), float("inf"))
+    if USE_LO:
+        lo = gl.load(LO + cols, mask=cols < n, other=0.0)
+    else:
+        lo = lse2
+    return lse2, lo
 
 
 @gluon.jit
@@ -103,7 +113,7 @@ def _dq_part(ds_mine, ds_other, k_t, k_o, s, dq_zero, ME: gl.constexpr, BLOCK_M:
 
 
 @gluon.jit
-def _half_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, k_other, kv_bar_other, q_ring,
+def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_smem, kv_bar, k_other, kv_bar_other, q_ring,
                    do_ring, ready, empty, ds_mine, ds_other, ds_ready, ds_free, dq_smem, dq_full, dq_empty, b, hk,
                    group, n0, k_start, Sk, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh,
                    qk_scale, scale, softcap, SL, stride_sh, alibi_off, ME: gl.constexpr, CAUSAL: gl.constexpr,
@@ -139,8 +149,8 @@ def _half_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar,
         st = warpgroup_mma(k_t, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_t, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
-        row0 = row_b + h.to(gl.int64) * stride_lh + m
-        lse2, lo = _lse2(LSE + row0, LSE_LO + row0, 0, cols, Sq - m, USE_LO)
+        lse2, lo = _tile_lse(lse_ring, LSE_LO + row_b + h.to(gl.int64) * stride_lh + m, t % STAGES, cols, Sq - m,
+                             col_s, USE_LO)
         if HAS_ALIBI:
             slope = gl.load(SL + h * stride_sh)
         else:
@@ -152,7 +162,7 @@ def _half_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar,
         else:
             pt, tc = _probs(sv, cols, rows, m, nc, lse2, lo, Sk, offset, span, qk_scale, scale, softcap, slope,
                             alibi_off, False, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, USE_LO, FUSE)
-        delta = _row_vector(DELTA + row0, cols, Sq - m)
+        delta = delta_ring.index(t % STAGES).load(col_s)  # (read here: 32 registers a thread)
         dpv = warpgroup_mma_wait(0, deps=(dpt, ))
         dst = pt * (dpv - delta[None, :])
         if HAS_SOFTCAP:  # with respect to the raw product
@@ -208,7 +218,7 @@ def _half_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar,
 
 
 @gluon.jit
-def _half_consumer1(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, k_other, kv_bar_other, q_ring,
+def _half_consumer1(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_smem, kv_bar, k_other, kv_bar_other, q_ring,
                     do_ring, ready, empty, ds_mine, ds_other, ds_ready, ds_free, dq_smem, dq_full, dq_empty, b, hk,
                     group, n0, k_start, Sk, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh,
                     qk_scale, scale, softcap, SL, stride_sh, alibi_off, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
@@ -216,11 +226,39 @@ def _half_consumer1(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar
                     STAGES: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr, DQ_N: gl.constexpr,
                     DEFER: gl.constexpr):
     # the second half's keys, in a worker partition
-    _half_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, k_other, kv_bar_other, q_ring,
+    _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_smem, kv_bar, k_other, kv_bar_other, q_ring,
                    do_ring, ready, empty, ds_mine, ds_other, ds_ready, ds_free, dq_smem, dq_full, dq_empty, b, hk,
                    group, n0, k_start, Sk, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh,
                    qk_scale, scale, softcap, SL, stride_sh, alibi_off, 1, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI,
                    BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, DEFER)
+
+
+@gluon.jit
+def _stats_loader(q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring, do_ring, ready,
+                  empty, lse_ring, delta_ring, LSE, DELTA, row_b, stride_lh, b, hk, group, n0, k_start, Sk,
+                  q_start, Sq, T, n_mt, mt_lo, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
+    """`attention_bwd_dkdv_ws_sm90._kv_loader`'s copies, and with each query tile its lse and delta
+    into the stats rings, by asynchronous copies that complete on the tile's
+    ready barrier (so the consumers read them from shared memory once Q and dO have landed).  Why:
+    read by the consumers from global memory, their latency was the consumers' largest stall
+    (ncu, D = 64 S = 4k: 27% of the consumers' samples on the instructions that used them).
+    Queries past the sequence's end are not read (zero-filled)."""
+    copy_pair(k_desc, v_desc, b, n0, hk, k_start, Sk, kv_bars.index(0), k_smem0, v_smem0, VARLEN)
+    copy_pair(k_desc, v_desc, b, n0 + HALF, hk, k_start, Sk, kv_bars.index(1), k_smem1, v_smem1, VARLEN)
+    stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    idx = gl.arange(0, BLOCK_M, layout=stat_layout)
+    n_mt_div = gl.maximum(n_mt, 1)
+    for t in range(T):
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
+        row0 = row_b + h.to(gl.int64) * stride_lh + m
+        ok = idx < Sq - m
+        async_copy.async_copy_global_to_shared(lse_ring.index(s), LSE + row0 + idx, mask=ok)
+        async_copy.async_copy_global_to_shared(delta_ring.index(s), DELTA + row0 + idx, mask=ok)
+        # (before the copy engine's expect-arrive: each thread's pending copies hold the phase open)
+        async_copy.mbarrier_arrive(ready.index(s))
+        copy_pair(q_desc, do_desc, b, m, h, q_start, Sq, ready.index(s), q_ring.index(s), do_ring.index(s), VARLEN)
 
 
 @gluon.jit
@@ -311,6 +349,9 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
     ds_ring1 = gl.allocate_shared_memory(dtype, [DS_STAGES * NQH, HALF, HALF], ds_layout)
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [HALF // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [HALF // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
+    stat_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem)
     kv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -333,21 +374,21 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
 
     if active:
         gl.warp_specialize([
-            (_half_consumer, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem0, v_smem0, kv_bars.index(0), k_smem1,
+            (_half_consumer, (dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem0, v_smem0, kv_bars.index(0), k_smem1,
                               kv_bars.index(1), q_ring, do_ring, ready, empty, ds_ring0, ds_ring1, ds_ready, ds_free,
                               dq_smem0, dq_full.index(0), dq_empty.index(0), b, hk, group, n0, k_start, Sk, Sq,
                               offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale,
                               softcap, SL, stride_sh, alibi_off, 0, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M,
                               D, STAGES, VARLEN, USE_LO, DQ_N, DEFER)),
-            (_half_consumer1, (dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem1, v_smem1, kv_bars.index(1), k_smem0,
+            (_half_consumer1, (dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem1, v_smem1, kv_bars.index(1), k_smem0,
                                kv_bars.index(0), q_ring, do_ring, ready, empty, ds_ring1, ds_ring0, ds_ready, ds_free,
                                dq_smem1, dq_full.index(1), dq_empty.index(1), b, hk, group, n0, k_start, Sk, Sq,
                                offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale,
                                softcap, SL, stride_sh, alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D,
                                STAGES, VARLEN, USE_LO, DQ_N, DEFER)),
-            (_kv_loader, (q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring,
-                          do_ring, ready, empty, b, hk, group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M,
-                          STAGES, VARLEN)),
+            (_stats_loader, (q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring,
+                             do_ring, ready, empty, lse_ring, delta_ring, LSE, DELTA, row_b, stride_lh, b, hk,
+                             group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M, STAGES, VARLEN)),
             (_part_writer, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt,
                             mt_lo, BLOCK_M, DQ_N, VARLEN)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
