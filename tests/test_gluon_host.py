@@ -376,33 +376,22 @@ def test_repeat_calls_descriptors_share_a_launch_key(packed):
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_long_backward_takes_the_warp_specialized_kernel(D):
-    """The table's "bwd_kv_ws" entry (the warp-specialized dK/dV kernel, dQ fused, one shared dQ
-    product) serves a backward from its min_keys keys on, and at D = 64 its "bwd_kv_ws_mid" entry
-    (register operands) from that one's fewer; shorter calls, narrower windows and deterministic
-    calls keep the ordered pair's Gluon tiles, not the portable kernel; a "bwd_kv" override is
-    taken as it is."""
+    """The table's "bwd_kv_ws" entry (the warp-specialized dK/dV kernel, dQ fused in FA3's layout,
+    half_dq) serves a backward from its min_keys keys on; shorter calls, narrower windows and
+    deterministic calls keep the ordered pair's Gluon tiles, not the portable kernel; a "bwd_kv"
+    override is taken as it is."""
     from flashforge.ops.triton import attention as launchers
     from flashforge.ops.triton import configs
     ws = configs.gluon_config(D, 2, False, (9, 0), "bwd_kv_ws")
-    mid = configs.gluon_config(D, 2, False, (9, 0), "bwd_kv_ws_mid")
     pair = configs.gluon_config(D, 2, False, (9, 0), "bwd_kv")
-    assert ws is not None and ws.consumers == 2 and ws.fused_dq and ws.shared_dq and ws.min_keys > 0
+    assert ws is not None and ws.consumers == 2 and ws.fused_dq and ws.half_dq and ws.min_keys > 0
     assert pair is not None and pair.consumers == 1
-    if D == 64:
-        assert mid is not None and mid.rs and mid.consumers == 2 and 0 < mid.min_keys < ws.min_keys
-    else:
-        assert mid is None
     cfg_kv = configs.get_config("bwd_kv", D, 2, False, arch=(9, 0))
     cfg_q = configs.get_config("bwd_q", D, 2, False, arch=(9, 0))
     n = ws.min_keys
-    below = pair if mid is None else mid  # what a call just short of n keys takes
-    cases = [(n, {}, ws), (n - 64, {}, below), (n, dict(deterministic=True), pair),
-             (n, dict(window_left=n - 1, window_right=0), below),  # a key sees < n queries
+    cases = [(n, {}, ws), (n - 64, {}, pair), (n, dict(deterministic=True), pair),
+             (n, dict(window_left=n - 1, window_right=0), pair),  # a key sees < n queries
              (n, dict(window_left=n, window_right=0), ws)]
-    if mid is not None:
-        m = mid.min_keys
-        cases += [(m, {}, mid), (m - 64, {}, pair), (m, dict(deterministic=True), pair),
-                  (n, dict(window_left=m - 1, window_right=0), pair)]
     for S, kw, want in cases:
         q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
         lse = torch.empty(1, 2, S)

@@ -462,36 +462,25 @@ def test_deterministic_backward_is_bitwise_and_unfused(c, dtype, gluon_bwd_calls
         assert torch.equal(first[name], again[name]), f"{name} differs between two deterministic runs"
 
 
-@pytest.mark.parametrize("kind", ["bwd_kv_ws", "bwd_kv_ws_mid"])
 @pytest.mark.parametrize("c, dtype", [BWD_CASES[1], BWD_CASES[2], BWD_CASES[8]])
-def test_table_long_backward_takes_the_ws_kernel(c, dtype, kind, monkeypatch):
-    """The table's long-sequence dK/dV entries ("bwd_kv_ws", and D = 64's "bwd_kv_ws_mid" with the
-    other's min_keys out of reach), min_keys lowered to 0 here so that small cases reach them: the
-    warp-specialized kernel with dQ fused, against the float64 reference; deterministic=True keeps
-    the ordered Gluon pair (not the portable kernels)."""
+def test_table_long_backward_takes_the_ws_kernel(c, dtype, monkeypatch):
+    """The table's long-sequence dK/dV entry ("bwd_kv_ws"), min_keys lowered to 0 here so that
+    small cases reach it: the warp-specialized kernel with dQ fused, against the float64
+    reference; deterministic=True keeps the ordered Gluon pair (not the portable kernels)."""
     from dataclasses import replace
     bucket = 64 if c.D <= 64 else 128
-    ws = configs.gluon_config(c.D, 2, False, (9, 0), "bwd_kv_ws")
-    mid = configs.gluon_config(c.D, 2, False, (9, 0), "bwd_kv_ws_mid")
-    if kind == "bwd_kv_ws_mid" and mid is None:
-        assert c.D > 64, "D = 64 has a bwd_kv_ws_mid entry"
-        return  # (D = 128 has none: the test above covers its table)
-    lowered = {"bwd_kv_ws": replace(ws, min_keys=0 if kind == "bwd_kv_ws" else 1 << 30)}
-    if mid is not None:
-        lowered["bwd_kv_ws_mid"] = replace(mid, min_keys=0)
-    for name, cfg in lowered.items():
-        configs.set_config(name + "_gluon", bucket, 2, cfg)
+    lowered = replace(configs.gluon_config(c.D, 2, False, (9, 0), "bwd_kv_ws"), min_keys=0)
+    configs.set_config("bwd_kv_ws_gluon", bucket, 2, lowered)
     try:
         calls = _bwd_spies(monkeypatch)
         check_case(c, "triton", device="cuda", dtype=dtype)
         assert calls["fused"] and not calls["bwd_q"], calls
-        assert all(cfg == lowered[kind] for cfg in calls["fused_cfg"]), (kind, calls["fused_cfg"])
+        assert all(cfg == lowered for cfg in calls["fused_cfg"]), calls["fused_cfg"]
         fused, calls["bwd_kv"][:] = len(calls["fused"]), []
         check_case(c, "triton", device="cuda", dtype=dtype, deterministic=True)
         assert calls["bwd_kv"] and calls["bwd_q"] and len(calls["fused"]) == fused, calls
     finally:
-        for name in lowered:
-            configs.set_config(name + "_gluon", bucket, 2, None)
+        configs.set_config("bwd_kv_ws_gluon", bucket, 2, None)
 
 
 @pytest.mark.parametrize("D, Hkv, causal", [(64, 4, False), (128, 2, True)])

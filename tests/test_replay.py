@@ -252,7 +252,7 @@ def test_training_launchers_replay_what_they_launch(monkeypatch, D, Hkv, lo, kw)
 
 
 def test_fused_training_backward_is_never_planned(monkeypatch):
-    """The warp-specialized backward with dQ fused (the table's, from 8192 keys) makes its float32
+    """The warp-specialized backward with dQ fused (the table's, from its min_keys keys) makes its float32
     accumulator and converts it outside the recorder: its key is never planned (each call takes
     the launcher's own path), rather than replayed without them."""
     gluon = pytest.importorskip("flashforge.ops.gluon.attention")
@@ -276,5 +276,5 @@ def test_fused_training_backward_is_never_planned(monkeypatch):
         replay.call("bwd", dict(do=do, dlse=None, q=q, k=k, v=v, o=o, lse=lse, lse_lo=None),
                     lambda rec: L._backward(rec, do, None, q, k, v, None, o, lse, p, False, None))
         names = [getattr(getattr(kern, "fn", kern), "__name__", kern) for _, kern, _ in fake.launched[n0:]]
-        assert "attn_bwd_dkdv_ws_sm90_kernel" in names and all(kind == "launch" for kind, _, _ in fake.launched[n0:])
+        assert "attn_bwd_dkdv_halfdq_sm90_kernel" in names and all(kind == "launch" for kind, _, _ in fake.launched[n0:])
     assert replay._plans["bwd"] is replay._NEVER

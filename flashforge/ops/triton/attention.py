@@ -297,22 +297,18 @@ def _long_fwd(g_cfg, q, k, v, mask, params: AttnParams, arch):
 
 
 def _long_bwd_kv(g_kv, k, D: int, elem: int, arch, params: AttnParams):
-    """The table's dK/dV tiles for this call: the first of its "bwd_kv_ws" entry (the
-    warp-specialized kernel, dQ fused, consumers sharing one dQ product) and its "bwd_kv_ws_mid"
-    entry (where there is one: D = 64's register-operand consumers) whose min_keys queries each key
-    sees -- the call has that many keys and no window narrower -- where dQ may be added in varying
-    order (not deterministic); else `g_kv` (the ordered pair's).  Why: on the H200 (bf16,
-    benchmarks/RESULTS.md v0.9.2-v0.9.3) the shared-dQ backward ran 1.05-1.13x the pair's at S = 8k
-    and 16k, but 0.90-1.06x at 4k and 0.82-0.89x at 1k (a program's fixed costs, its zeroed
-    accumulator and conversion), and 0.85x with a causal window of 1023 at S = 16k (~17 query
-    tiles a key block); at D = 64 and S = 4k the register-operand one ran 1.03-1.11x."""
+    """The table's dK/dV tiles for this call: its "bwd_kv_ws" entry (the warp-specialized kernel,
+    dQ fused in FA3's layout) where the call has its min_keys keys and no window narrower, and dQ
+    may be added in varying order (not deterministic); else `g_kv` (the ordered pair's).  Why: on
+    the H100 (bf16, benchmarks/RESULTS.md v0.9.6) the half-dQ backward ran 1.17-1.26x the pair's
+    from S = 4k, but 0.86x at S = 1k D = 64 causal (a program's fixed costs: its zeroed
+    accumulator, its conversion, few query tiles a key block)."""
     keys = gluon_attention.key_count(k, params)
-    for kind in ("bwd_kv_ws", "bwd_kv_ws_mid"):
-        ws = gluon_config(D, elem, False, arch, kind)
-        if ws is None or keys < ws.min_keys or 0 <= params.window_left < ws.min_keys:
-            continue
-        if gluon_attention.fuses_dq(ws, D, params) and gluon_attention.bwd_tiles_fit("bwd_kv", ws, D):
-            return ws
+    ws = gluon_config(D, elem, False, arch, "bwd_kv_ws")
+    if ws is None or keys < ws.min_keys or 0 <= params.window_left < ws.min_keys:
+        return g_kv
+    if gluon_attention.fuses_dq(ws, D, params) and gluon_attention.bwd_tiles_fit("bwd_kv", ws, D):
+        return ws
     return g_kv
 
 

@@ -45,8 +45,7 @@ class TileConfig:
     # portable kernel with the same tiles
     gluon: bool = False
     # gluon only: serve calls with at least this many keys (the forward: the portable kernel below
-    # it; a "fwd_long" entry: the "fwd_gluon" one; a "bwd_kv_ws" or "bwd_kv_ws_mid" entry: the next
-    # one, then the "bwd_kv" one below it)
+    # it; a "fwd_long" entry: the "fwd_gluon" one; a "bwd_kv_ws" entry: the "bwd_kv" one)
     min_keys: int = 0
     # gluon only: slots in V's ring (0: num_stages, as K's).  One lets 64 x 128 tiles at
     # D = 128 (112 KB) run two programs per SM; V's copy then hides behind one tile's q k^T
@@ -162,22 +161,19 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # accumulator, conversion and delta launches weigh; D = 128 spills, 0.68-0.81x: RESULTS.md
     # v0.8.9, `benchmarks/profile/fused_dq_gpu.py`)
     ("bwd_kv_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
-    # Long sequences, not deterministic: the warp-specialized dK/dV kernel with dQ fused, its
-    # consumers taking turns at one dQ product over all 128 keys a query tile (shared_dq).  H200,
-    # bf16, backward TFLOP/s against the ordered pair (RESULTS.md v0.9.2): S = 16k D = 64 causal
-    # 386 against 341, D = 128 498 against 452, S = 8k 1.10x; S = 4k 0.90-1.06x, S = 1k 0.82-0.89x,
-    # a causal window of 1023 0.85x: min_keys, which a narrower window also falls short of
-    # (`attention._long_bwd_kv`)
-    ("bwd_kv_ws_gluon", 64, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True,
-                                           min_keys=8192),
-    ("bwd_kv_ws_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, shared_dq=True,
-                                            min_keys=8192),
-    # below 8192 keys at D = 64: the register-operand consumers (rs: P^T and dS^T stay in registers
-    # as the dV / dK products' A operands), each its own dQ.  H200, bf16 (RESULTS.md v0.9.3), S = 4k
-    # backward TFLOP/s against the ordered pair: causal 346 against 313, GQA 4 causal 329 against
-    # 312, dense 376 against 366; the shared-dQ entry 331 / 321 / 374; at 1k both lost (0.85-0.90x)
-    ("bwd_kv_ws_mid_gluon", 64, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, rs=True,
-                                               min_keys=4096),
+    # From 4096 keys, not deterministic: the warp-specialized dK/dV kernel with dQ fused in FA3's
+    # layout (half_dq: scores keys by queries, P^T and dS^T register operands, each consumer half
+    # of every query tile's dQ; ops/gluon/attention_bwd_dkdv_halfdq_sm90.py).  H100, bf16, backward
+    # TFLOP/s against the ordered pair (RESULTS.md v0.9.6): D = 64 S = 4k 428 against 351, S = 16k
+    # causal 436 against 348; D = 128 S = 4k causal 420-452 against 387, S = 16k 512-545 against
+    # 433; the shared-dQ kernel (the entry before) 374 / 391 / 382 / 496.  At S = 1k D = 64 causal
+    # 0.86x: min_keys, which a narrower window also falls short of (`attention._long_bwd_kv`).
+    # D = 64 issues a tile's dQ part with the next tile's products (overlap: 1.03-1.09x lockstep);
+    # D = 128 lockstep (0.93-1.06x overlap, within the runs' noise)
+    ("bwd_kv_ws_gluon", 64, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, half_dq=True,
+                                           min_keys=4096),
+    ("bwd_kv_ws_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, half_dq=True,
+                                            overlap=False, min_keys=4096),
     ("bwd_q_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
     ("bwd_q_gluon", 128, 2): TileConfig(64, 64, 4, 3, gluon=True, v_stages=1),
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
@@ -238,7 +234,7 @@ _TABLE = _SM90  # the measured table (tests and tools read it)
 _INTERPRETER = TileConfig(16, 16, 1, 1)
 KINDS = ("fwd", "fwd_causal", "fwd_decode", "fwd_gluon", "fwd_gluon_causal", "fwd_long_gluon", "fwd_long_gluon_causal",
          "bwd_kv", "bwd_kv_dropout", "bwd_q",
-         "bwd_kv_gluon", "bwd_kv_ws_gluon", "bwd_kv_ws_mid_gluon", "bwd_q_gluon")
+         "bwd_kv_gluon", "bwd_kv_ws_gluon", "bwd_q_gluon")
 _overrides: dict[tuple[str, int, int], TileConfig] = {}
 ENV_FILE = "FLASHFORGE_TILE_CONFIGS"
 
