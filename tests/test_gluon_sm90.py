@@ -194,7 +194,10 @@ D256_BWD_VARIANTS = {
     "kv-32x64+q-64x32-s2": (TC(32, 64, 4, 2, gluon=True, split_kv=True), TC(64, 32, 4, 2, gluon=True)),
     "kv-64x64+portable-q": (TC(64, 64, 4, 2, gluon=True, split_kv=True), TC(128, 32, 8, 2)),
     "portable-kv+q-64x32": (TC(16, 128, 8, 3, split_kv=True), TC(64, 32, 4, 2, gluon=True)),
+    # the wide dK/dV kernel (consumers split the head dim, dQ fused: no dQ kernel runs)
+    "kv-wide": (TC(64, 64, 4, 1, gluon=True, consumers=2, fused_dq=True, half_dq=True), TC(64, 32, 4, 3, gluon=True)),
 }
+WIDE = D256_BWD_VARIANTS["kv-wide"][0]
 
 
 def _bwd_spies(monkeypatch):
@@ -238,6 +241,10 @@ D256_BWD_CASES = D256_CASES + [p for p in WINDOW_CASES + MOD_CASES if p.values[0
 def test_d256_backward_against_reference(c, dtype, gluon_bwd_calls_256):
     calls, pair = gluon_bwd_calls_256
     check_case(c, "triton", device="cuda", dtype=dtype)
+    if pair is not None and pair[0].half_dq:  # the wide kernel: dQ fused, no dQ kernel
+        assert calls["fused"] and not calls["bwd_q"], calls
+        return
+    assert not calls["fused"], calls
     for i, kind in enumerate(("bwd_kv", "bwd_q")):
         asked = pair[i].gluon if pair is not None else configs.gluon_config(256, 2, False, (9, 0), kind) is not None
         assert bool(calls[kind]) == asked, f"Gluon {kind} calls {calls[kind]}, wanted: {asked}"
@@ -431,8 +438,25 @@ def test_backward_far_negative_scores_with_keys_past_the_tile(causal, gluon_bwd_
     kv = _gluon_tiles("bwd_kv", 64, causal)
     if kv is not None and not gluon_attention.bwd_tiles_fit("bwd_kv", kv, 64):
         pytest.skip(f"bwd_kv {kv} does not fit D = 64's shared memory (its calls take the portable dK/dV kernel)")
+    _check_far_negative(causal, 64)
+    assert gluon_bwd_calls["bwd_kv"] or gluon_bwd_calls["fused"], "no Gluon backward ran"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_backward_far_negative_scores_with_keys_past_the_tile(causal, monkeypatch):
+    """The same at D = 256 through the wide dK/dV kernel (its key blocks crossing Sk mask those keys)."""
+    calls = _bwd_spies(monkeypatch)
+    configs.set_config("bwd_kv", 256, 2, WIDE)
+    try:
+        _check_far_negative(causal, 256)
+    finally:
+        configs.set_config("bwd_kv", 256, 2, None)
+    assert calls["fused"] and not calls["bwd_q"], calls
+
+
+def _check_far_negative(causal: bool, D: int):
     gen = torch.Generator(device="cuda").manual_seed(7)
-    B, Sq, Sk, H, D = 1, 150, 200, 2, 64
+    B, Sq, Sk, H = 1, 150, 200, 2
     u = torch.randn(1, 1, H, D, device="cuda", generator=gen)
     u = u / u.norm(dim=-1, keepdim=True)
     # q . k * D ** -0.5 = -120 + noise (std ~1.2): lse near -117, exp(-lse) past float32's range
@@ -445,7 +469,6 @@ def test_backward_far_negative_scores_with_keys_past_the_tile(causal, gluon_bwd_
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref = reference.attention(*ref_leaves, causal=causal)
     ref_grads = torch.autograd.grad(ref, ref_leaves, do.double())
-    assert gluon_bwd_calls["bwd_kv"] or gluon_bwd_calls["fused"], "no Gluon backward ran"
     # (dQ = dS K cancels heavily here: the CPU path's bf16 dQ is 3% of its largest entry off)
     for name, g, r, tol in zip("qkv", grads, ref_grads, (0.1, 5e-2, 5e-2)):
         assert torch.isfinite(g).all(), f"d{name} has non-finite entries"
@@ -692,6 +715,38 @@ def test_varlen_three_consumers(variant, shape, kw, dtype, gluon_spies):
     finally:
         for kind in ("fwd", "fwd_causal"):
             configs.set_config(kind, 64, 2, None)
+
+
+@pytest.mark.parametrize("shape, kw, dtype", [p for p in VARLEN_CASES if p.values[0]["D"] == 256])
+def test_varlen_wide_dkdv(shape, kw, dtype, gluon_spies):
+    """Packed batches through the wide dK/dV kernel (D = 256, dQ fused): a 64-key block or a
+    query tile may cross a sequence's end."""
+    configs.set_config("bwd_kv", 256, 2, WIDE)
+    try:
+        test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies)
+    finally:
+        configs.set_config("bwd_kv", 256, 2, None)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_deterministic_takes_the_ordered_kernels(causal, monkeypatch):
+    """deterministic=True with the wide tiles asked for: the wide kernel adds dQ in varying order,
+    so the call takes the ordered kernels, and a rerun is bitwise the same."""
+    calls = _bwd_spies(monkeypatch)
+    configs.set_config("bwd_kv", 256, 2, WIDE)
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        q, k, v, do = (torch.randn(1, 333, 2, 256, device="cuda", dtype=BF16, generator=gen) for _ in range(4))
+        runs = []
+        for _ in range(2):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            o = flashforge.attention(*leaves, causal=causal, backend="triton", deterministic=True)
+            runs.append(torch.autograd.grad(o, leaves, do))
+    finally:
+        configs.set_config("bwd_kv", 256, 2, None)
+    assert not calls["fused"], calls
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("shape, kw, dtype", [p for p in VARLEN_CASES if p.values[0]["D"] <= 128])

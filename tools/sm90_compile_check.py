@@ -233,6 +233,8 @@ def record_launches(log: list) -> None:
         gluon_launcher._ws_dkdv_kernel = lambda: Recorder(ws_kv, log)
         half = _KERNELS.setdefault("gluon_halfdq", gluon_launcher._halfdq_dkdv_kernel())
         gluon_launcher._halfdq_dkdv_kernel = lambda: Recorder(half, log)
+        wide = _KERNELS.setdefault("gluon_wide", gluon_launcher._wide_dkdv_kernel())
+        gluon_launcher._wide_dkdv_kernel = lambda: Recorder(wide, log)
     gluon_bwd = _KERNELS.setdefault("gluon_bwd", gluon_launcher._bwd_kernels())
     if gluon_bwd is not None:
         gluon_launcher._bwd_kernels = lambda: tuple(Recorder(k, log) for k in gluon_bwd)
@@ -357,6 +359,15 @@ def record(quick: bool):
                 run(D=D, window_right=0, lo=False, alibi_slopes=torch.rand(2, 4))
                 run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
                     window_right=0, offset_bottom_right=True)
+        # the wide dK/dV kernel (D = 256: the consumers split the head dim, dQ fused)
+        wide = configs.TileConfig(64, 64, 4, 1, gluon=True, consumers=2, fused_dq=True, half_dq=True)
+        launchers.get_config = lambda kind, d, e, interpret, **kw: (
+            wide if kind == "bwd_kv" and d == 256 else real_get(kind, d, e, False, **kw))
+        run(D=256)
+        run(D=256, window_left=40, window_right=0, softcap=20.0, dtype=torch.float16)
+        run(D=256, window_right=0, lo=False, alibi_slopes=torch.rand(2, 4))
+        run(B=1, Sq=256, Sk=256, D=256, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,
+            window_right=0, offset_bottom_right=True)
         # D = 256's Gluon backward variants (tests/test_gluon_sm90.py's D256_BWD_VARIANTS)
         TC = configs.TileConfig
         for kv, dq in ((TC(32, 128, 8, 3, gluon=True, split_kv=True), TC(128, 32, 8, 2, gluon=True)),

@@ -36,6 +36,18 @@ ROWS = [
     ("D128 S4k causal GQA 4", 4096, 128, True, None, 4),
     ("D128 S16k causal GQA 4", 16384, 128, True, None, 4),
     ("D128 S16k causal window 1023", 16384, 128, True, 1023, 1),
+    ("D64 S1k", 1024, 64, False, None, 1),
+    ("D128 S1k", 1024, 128, False, None, 1),
+    ("D64 S2k", 2048, 64, False, None, 1),
+    ("D64 S2k causal", 2048, 64, True, None, 1),
+    ("D128 S2k", 2048, 128, False, None, 1),
+    ("D128 S2k causal", 2048, 128, True, None, 1),
+    ("D256 S1k", 1024, 256, False, None, 1),
+    ("D256 S2k", 2048, 256, False, None, 1),
+    ("D256 S4k", 4096, 256, False, None, 1),
+    ("D256 S4k causal", 4096, 256, True, None, 1),
+    ("D256 S16k", 16384, 256, False, None, 1),
+    ("D256 S16k causal", 16384, 256, True, None, 1),
 ]
 # the fused dK/dV tiles tried per head dim (name -> config); "ordered" is the table's pair of
 # kernels with deterministic=True
@@ -60,6 +72,8 @@ VARIANTS = {
           "halfdq lockstep s2": TC(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, half_dq=True, overlap=False),
           "64x64 4w one-at-a-time s2": TC(64, 64, 4, 2, gluon=True, overlap=False, fused_dq=True),
           "64x128 8w one-at-a-time s2": TC(64, 128, 8, 2, gluon=True, overlap=False, fused_dq=True)},
+    # the wide kernel: two consumers share 64 keys, each half of the head dim (one Q / dO slot)
+    256: {"wide": TC(64, 64, 4, 1, gluon=True, consumers=2, fused_dq=True, half_dq=True)},
 }
 
 

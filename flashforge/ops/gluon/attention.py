@@ -71,6 +71,12 @@ def _halfdq_dkdv_kernel():
 
 
 @functools.lru_cache(maxsize=None)
+def _wide_dkdv_kernel():
+    from .attention_bwd_dkdv_wide_sm90 import attn_bwd_dkdv_wide_sm90_kernel
+    return attn_bwd_dkdv_wide_sm90_kernel
+
+
+@functools.lru_cache(maxsize=None)
 def _ws_dq_kernel():
     from .attention_bwd_dq_ws_sm90 import attn_bwd_dq_ws_sm90_kernel
     return attn_bwd_dq_ws_sm90_kernel
@@ -91,7 +97,11 @@ def ws_dkdv_shared_bytes(cfg, D: int) -> int:
     """The warp-specialized dK/dV kernel's: both consumers' K and V, the Q / dO ring, both P and
     dS tiles (16-bit) and both dQ buffers (float32), 1 KB more.  half_dq: the ring's tiles are
     block_m rows, two two-slot dS^T rings of block_m x 64, two [64, 64] float32 dQ parts, and a
-    ring slot's lse and delta (float32, block_m each)."""
+    ring slot's lse and delta (float32, block_m each).  half_dq at D = 256 (the wide kernel): K, V,
+    one Q and dO slot, the shared P and dS tiles, both consumers' [64, D / 2] float32 dQ_t halves
+    and the slot's lse and delta."""
+    if cfg.half_dq and D > 128:
+        return 2 * (4 * 64 * D + 2 * 64 * 64) + 64 * D * 4 + 2 * 64 * 4 + 1024
     if cfg.half_dq:
         stages = max(2, cfg.num_stages)
         return 2 * (4 * 64 * D + 2 * stages * cfg.block_m * D + 2 * 2 * 64 * cfg.block_m) + \
@@ -310,6 +320,10 @@ def bwd_tiles_fit(kind: str, cfg, head_dim: int) -> bool:
     """One warp per 16 rows of the kernel's resident block: keys for "bwd_kv" (dK/dV), queries
     for "bwd_q" (dQ); and past D = 128, dK and dV in two launches (split_kv: with both
     accumulators in registers, 256 a thread, the kernel would spill)."""
+    if kind == "bwd_kv" and cfg.consumers == 2 and cfg.half_dq and head_dim > 128:
+        # the wide kernel (consumers split the head dim): 64 keys, 64-query tiles, one Q / dO slot
+        return head_dim == 256 and (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 64, 4, 1) and \
+            not cfg.split_kv and ws_dkdv_shared_bytes(cfg, head_dim) <= _SMEM_SM90
     if kind == "bwd_kv" and head_dim > 128 and not cfg.split_kv:
         return False
     if cfg.consumers > 2:  # (three consumers: the forward's only)
@@ -333,8 +347,8 @@ def fuses_dq(cfg, head_dim: int, params: AttnParams) -> bool:
     order), one launch computes dK and dV (no split_kv), and the query tiles are one wgmma tall
     (64 rows: dQ_t's; with two warpgroups, 128 keys, each computes half of its columns); overlapped
     tiles (`overlap`) for D = 64 only, and a Triton with the copy engine's reduce."""
-    if cfg.consumers == 2:  # the warp-specialized dK/dV kernel always fuses dQ
-        return cfg.fused_dq and not params.deterministic and head_dim <= 128 and _reduce_ready()
+    if cfg.consumers == 2:  # the warp-specialized dK/dV kernels always fuse dQ (D = 256: the wide one)
+        return cfg.fused_dq and not params.deterministic and (head_dim <= 128 or cfg.half_dq) and _reduce_ready()
     return (cfg.fused_dq and not params.deterministic and not cfg.split_kv and cfg.num_warps in (4, 8)
             and cfg.block_m == 64 and (head_dim == 64 if cfg.overlap else head_dim <= 128) and _reduce_ready())
 
@@ -386,6 +400,15 @@ def ragged_shape_strides(t):
     rs = t.stride(1)
     big = 0x7FFF0000
     return [big, big, RAGGED, t.shape[2], t.shape[3]], [2**34 - rs, rs, rs, t.stride(2), 1]
+
+
+def _descriptor_cols(t, desc, cols):
+    """`desc`'s (dense or ragged) descriptor of t with 64-row boxes `cols` wide (the wide dK/dV
+    kernel's outputs: each consumer stores its half of the head dim)."""
+    if desc is _ragged_descriptor:
+        shape, strides = ragged_shape_strides(t)
+        return _unchecked_descriptor(t, shape, strides, [1, 1, 64, 1, cols], _layout(5))
+    return _unchecked_descriptor(t, list(t.shape), list(t.stride()), [1, 64, 1, cols], _layout())
 
 
 def _ragged_descriptor(t, rows):
@@ -469,7 +492,14 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
         args = (*(inputs or input_descriptors(q, k, v, do, params, cfg, "bwd_kv")), dk_desc, desc(dv, 64), lse,
                 lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
                 Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod, dq_descriptor(dq_acc, params))
+        if cfg.half_dq and D > 128:  # the wide kernel: each consumer stores D / 2 columns of dK and dV
+            args = (*args[:4], _descriptor_cols(dk, desc, D // 2), _descriptor_cols(dv, desc, D // 2), *args[6:])
         for second in ((False,) if lse_lo is None else (False, True)):
+            if cfg.half_dq and D > 128:
+                rec.launch(_wide_dkdv_kernel(), grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, D=D,
+                           VARLEN=params.is_varlen, HAS_LO=lse_lo is not None, LO_PASS=second, FAR_READY=ready,
+                           CONSUMER_REGS=_WS_REGS[0], LOADER_REGS=_WS_REGS[1], num_warps=4)
+                continue
             if cfg.half_dq:
                 rec.launch(_halfdq_dkdv_kernel(), grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags,
                            BLOCK_M=cfg.block_m, D=D, STAGES=max(2, cfg.num_stages), VARLEN=params.is_varlen,
