@@ -86,7 +86,7 @@ def _store_cols(desc, b, row, h, col, start, length, src, VARLEN: gl.constexpr):
 
 @gluon.jit
 def _wide_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty,
-                   p_smem, ds_smem, pds_ready, pds_free, dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, Sq,
+                   p_smem, ds_smem, p_ready, ds_ready, pds_free, dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, Sq,
                    offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL,
                    stride_sh, alibi_off, ME: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
                    HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, D: gl.constexpr, VARLEN: gl.constexpr,
@@ -141,21 +141,24 @@ def _wide_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_sme
         else:
             p, tc = _probs_qk(sv, rows, cols, m, nc, lse2, lo, Sk, offset, span, qk_scale, scale, softcap, slope,
                               alibi_off, False, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, USE_LO, FUSE)
+        # this consumer's columns of the shared P tile, once both consumers' products of tile
+        # t - 1 have read it; then dV's product runs while dS is formed
+        if t > 0:
+            mbarrier.wait(pds_free, (t - 1) & 1)
+        p_mine.store(p.to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
         delta = delta_ring.index(0).load(row_s)
         dpv = warpgroup_mma_wait(0, deps=(dp, ))
         ds = p * (dpv - delta[:, None])
         if HAS_SOFTCAP:  # with respect to the raw product
             ds = ds * (1.0 - tc * tc)
-        # this consumer's columns of the shared P and dS tiles, once both consumers' products of
-        # tile t - 1 have read them
-        if t > 0:
-            mbarrier.wait(pds_free, (t - 1) & 1)
-        p_mine.store(p.to(dtype))
+        mbarrier.wait(p_ready, t & 1)  # the other's columns stored too
+        dv = warpgroup_mma(p_smem.permute((1, 0)), do_s.slice(ME * DH, DH, dim=1), dv, is_async=True)
         ds_mine.store(ds.to(dtype))
         fence_async_shared()
-        mbarrier.arrive(pds_ready, count=1)
-        mbarrier.wait(pds_ready, t & 1)  # the other's columns stored too
-        dv = warpgroup_mma(p_smem.permute((1, 0)), do_s.slice(ME * DH, DH, dim=1), dv, is_async=True)
+        mbarrier.arrive(ds_ready, count=1)
+        mbarrier.wait(ds_ready, t & 1)
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s.slice(ME * DH, DH, dim=1), dk, is_async=True)
         # dQ_t's columns in two [64, DH / 2] parts, one after the other (a whole [64, DH] part
         # beside dK and dV spilled: 368 B of stack a thread)
@@ -187,14 +190,14 @@ def _wide_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_sme
 
 @gluon.jit
 def _wide_consumer1(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_smem, kv_bar, q_ring, do_ring, ready,
-                    empty, p_smem, ds_smem, pds_ready, pds_free, dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start,
+                    empty, p_smem, ds_smem, p_ready, ds_ready, pds_free, dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start,
                     Sk, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale,
                     softcap, SL, stride_sh, alibi_off, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
                     HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, D: gl.constexpr, VARLEN: gl.constexpr,
                     USE_LO: gl.constexpr, DQ_N: gl.constexpr):
     # the second half's keys and columns, in a worker partition
     _wide_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty,
-                   p_smem, ds_smem, pds_ready, pds_free, dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, Sq,
+                   p_smem, ds_smem, p_ready, ds_ready, pds_free, dq_smem, dq_full, dq_empty, b, hk, group, n0, k_start, Sk, Sq,
                    offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL,
                    stride_sh, alibi_off, 1, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, D, VARLEN, USE_LO, DQ_N)
 
@@ -309,8 +312,9 @@ def attn_bwd_dkdv_wide_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # the shared P and dS tiles: stored by both consumers (ready), read by both's products (free)
-    pds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # the shared P and dS tiles: each stored by both consumers (ready), both read by both's products (free)
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     pds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(ready.index(0), count=1)
@@ -318,19 +322,20 @@ def attn_bwd_dkdv_wide_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     for i in gl.static_range(2):
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
-    mbarrier.init(pds_ready, count=2)
+    mbarrier.init(p_ready, count=2)
+    mbarrier.init(ds_ready, count=2)
     mbarrier.init(pds_free, count=2)
     fence_async_shared()
 
     if active:
         gl.warp_specialize([
             (_wide_consumer, (dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_smem, kv_bar, q_ring, do_ring,
-                              ready, empty, p_smem, ds_smem, pds_ready, pds_free, dq_smem0, dq_full.index(0),
+                              ready, empty, p_smem, ds_smem, p_ready, ds_ready, pds_free, dq_smem0, dq_full.index(0),
                               dq_empty.index(0), b, hk, group, n0, k_start, Sk, Sq, offset, span, T, n_mt, mt_lo,
                               n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh, alibi_off,
                               0, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, D, VARLEN, USE_LO, DQ_N)),
             (_wide_consumer1, (dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_smem, kv_bar, q_ring, do_ring,
-                               ready, empty, p_smem, ds_smem, pds_ready, pds_free, dq_smem1, dq_full.index(1),
+                               ready, empty, p_smem, ds_smem, p_ready, ds_ready, pds_free, dq_smem1, dq_full.index(1),
                                dq_empty.index(1), b, hk, group, n0, k_start, Sk, Sq, offset, span, T, n_mt, mt_lo,
                                n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh,
                                alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, D, VARLEN, USE_LO, DQ_N)),
