@@ -1,5 +1,7 @@
 """Host-side pieces of the sm_90 Gluon launchers that need no GPU: the ragged descriptor's
 addressing (packed batches) and the scope rules that route calls to the Gluon kernels."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -374,6 +376,21 @@ def test_repeat_calls_descriptors_share_a_launch_key(packed):
     assert first is not None and first == again
 
 
+def test_wide_dkdv_tiles_fit_d256_only():
+    """The wide dK/dV kernel (half_dq past D = 128: consumers split the head dim) takes 64 keys,
+    64-query tiles and one Q / dO slot at D = 256, within sm_90's shared memory; it fuses dQ, so a
+    deterministic call never takes it; other shapes of it are refused (the launcher then says why)."""
+    wide = TC(64, 64, 4, 1, gluon=True, consumers=2, fused_dq=True, half_dq=True)
+    assert gluon_attention.bwd_tiles_fit("bwd_kv", wide, 256)
+    assert gluon_attention.ws_dkdv_shared_bytes(wide, 256) <= gluon_attention._SMEM_SM90
+    for other in (dict(num_stages=2), dict(block_m=128), dict(block_n=128), dict(split_kv=True)):
+        assert not gluon_attention.bwd_tiles_fit("bwd_kv", replace(wide, **other), 256), other
+    assert not gluon_attention.bwd_tiles_fit("bwd_kv", wide, 192)
+    if gluon_attention._reduce_ready():
+        assert gluon_attention.fuses_dq(wide, 256, _params())
+    assert not gluon_attention.fuses_dq(wide, 256, _params(deterministic=True))
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_long_backward_takes_the_warp_specialized_kernel(D):
     """The table's "bwd_kv_ws" entry (the warp-specialized dK/dV kernel, dQ fused in FA3's layout,
@@ -398,7 +415,7 @@ def test_long_backward_takes_the_warp_specialized_kernel(D):
         g_kv, g_q = launchers._gluon_backward(q, q, q, q, lse, None, _params(**kw), cfg_kv, cfg_q, (9, 0), None)
         assert g_kv == want, (S, kw, g_kv)
         assert g_q == configs.gluon_config(D, 2, False, (9, 0), "bwd_q")
-    forced = TileConfig(64, 64, 4, 3, gluon=True)
+    forced = TileConfig(64, 64, 4, 3, gluon=True, split_kv=D > 128)  # (past D = 128 the pair splits)
     q = torch.empty(1, ws.min_keys, 2, D, dtype=torch.bfloat16)
     g_kv, _ = launchers._gluon_backward(q, q, q, q, torch.empty(1, 2, ws.min_keys), None, _params(), forced, cfg_q,
                                         (9, 0), None)

@@ -68,7 +68,10 @@ class TileConfig:
     rs: bool = False
     # bwd_kv, consumers = 2 only (ops/gluon/attention_bwd_dkdv_halfdq_sm90.py): register operands
     # as rs, and each consumer computes half of every query tile's dQ from both consumers' dS
-    # (FA3's layout): block_m = 128 query rows at D = 64 (rows split), 64 at D = 128 (columns split)
+    # (FA3's layout): block_m = 128 query rows at D = 64 (rows split), 64 at D = 128 (columns split);
+    # at D = 256 the wide kernel (ops/gluon/attention_bwd_dkdv_wide_sm90.py: 64 x 64 tiles, one
+    # stage, the consumers splitting the head dim), opt-in: 0.86-0.90x the ordered pair's backward
+    # (H100, RESULTS.md v0.9.7)
     half_dq: bool = False
 
 
@@ -161,19 +164,21 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # accumulator, conversion and delta launches weigh; D = 128 spills, 0.68-0.81x: RESULTS.md
     # v0.8.9, `benchmarks/profile/fused_dq_gpu.py`)
     ("bwd_kv_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
-    # From 4096 keys, not deterministic: the warp-specialized dK/dV kernel with dQ fused in FA3's
+    # From 2048 keys, not deterministic: the warp-specialized dK/dV kernel with dQ fused in FA3's
     # layout (half_dq: scores keys by queries, P^T and dS^T register operands, each consumer half
     # of every query tile's dQ; ops/gluon/attention_bwd_dkdv_halfdq_sm90.py).  H100, bf16, backward
     # TFLOP/s against the ordered pair (RESULTS.md v0.9.6): D = 64 S = 4k 428 against 351, S = 16k
     # causal 436 against 348; D = 128 S = 4k causal 420-452 against 387, S = 16k 512-545 against
-    # 433; the shared-dQ kernel (the entry before) 374 / 391 / 382 / 496.  At S = 1k D = 64 causal
-    # 0.86x: min_keys, which a narrower window also falls short of (`attention._long_bwd_kv`).
+    # 433; the shared-dQ kernel (the entry before) 374 / 391 / 382 / 496.  v0.9.7, S = 2k: D = 64
+    # 383 against 331 (a training step 1.10x), D = 128 442 against 391 (1.05x), causal 360 against
+    # 328 (1.04x); S = 1k 1.02-1.05x a step, but causal 0.94x a step at D = 128 (v0.9.6: the backward
+    # 0.86x at D = 64): min_keys, which a narrower window also falls short of (`attention._long_bwd_kv`).
     # D = 64 issues a tile's dQ part with the next tile's products (overlap: 1.03-1.09x lockstep);
     # D = 128 lockstep (0.93-1.06x overlap, within the runs' noise)
     ("bwd_kv_ws_gluon", 64, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, half_dq=True,
-                                           min_keys=4096),
+                                           min_keys=2048),
     ("bwd_kv_ws_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, half_dq=True,
-                                            overlap=False, min_keys=4096),
+                                            overlap=False, min_keys=2048),
     ("bwd_q_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
     ("bwd_q_gluon", 128, 2): TileConfig(64, 64, 4, 3, gluon=True, v_stages=1),
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
