@@ -123,8 +123,12 @@ def _wide_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_sme
     ds_mine = ds_smem.slice(ME * KH, KH, dim=1)
     for t in range(T):
         wait(ready, t, 1)
-        q_s = q_ring.index(0).reshape([ROWS, D])
-        do_s = do_ring.index(0).reshape([ROWS, D])
+        # slot 0, by an index the compiler cannot fold (t < 2**30): with a constant one, every
+        # product's shared-memory descriptors are loop-invariant, get hoisted out of the loop and
+        # spilled (ptxas: ~40 64-bit values, reloaded every tile)
+        z = t >> 30
+        q_s = q_ring.index(z).reshape([ROWS, D])
+        do_s = do_ring.index(z).reshape([ROWS, D])
         s = warpgroup_mma(q_s, k_mine.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_s, v_mine.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, ROWS)
