@@ -377,15 +377,16 @@ def _dq_layout(rank: int):
     return _kernel()[1].NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=rank)
 
 
-def _descriptor(t, rows):
+def _descriptor(t, rows, cols=None):
     """A 4-D box [1, rows, 1, D] over [B, S, H, D]: the copy engine zero-fills rows past a
     sequence's end and clips stores there, so no tile reads or writes another sequence's rows.
 
     Built without the dataclass's __post_init__: its checks (16-byte aligned address and
     strides, unit last stride, power-of-two box) are what `tma_ready` and the tile table
     already guarantee, and a training step builds 11 descriptors (host time: the S = 1k rows
-    of the benchmark are host-bound on the device's CPU)."""
-    return _unchecked_descriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, t.shape[3]], _layout())
+    of the benchmark are host-bound on the device's CPU).  cols: a box narrower than D (the wide
+    dK/dV kernel's outputs, each consumer storing half of the head dim)."""
+    return _unchecked_descriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, cols or t.shape[3]], _layout())
 
 
 RAGGED = 2**30  # pipeline.RAGGED: the ragged descriptors' row extent
@@ -402,20 +403,12 @@ def ragged_shape_strides(t):
     return [big, big, RAGGED, t.shape[2], t.shape[3]], [2**34 - rs, rs, rs, t.stride(2), 1]
 
 
-def _descriptor_cols(t, desc, cols):
-    """`desc`'s (dense or ragged) descriptor of t with 64-row boxes `cols` wide (the wide dK/dV
-    kernel's outputs: each consumer stores its half of the head dim)."""
-    if desc is _ragged_descriptor:
-        shape, strides = ragged_shape_strides(t)
-        return _unchecked_descriptor(t, shape, strides, [1, 1, 64, 1, cols], _layout(5))
-    return _unchecked_descriptor(t, list(t.shape), list(t.stride()), [1, 64, 1, cols], _layout())
-
-
-def _ragged_descriptor(t, rows):
-    """A 5-D box [1, 1, rows, 1, D] over a packed [1, total, H, D] tensor (pipeline.py's ragged
-    addressing): rows past each sequence's end are zero-filled and clipped, as above."""
+def _ragged_descriptor(t, rows, cols=None):
+    """A 5-D box [1, 1, rows, 1, D] (or cols wide) over a packed [1, total, H, D] tensor
+    (pipeline.py's ragged addressing): rows past each sequence's end are zero-filled and clipped,
+    as above."""
     shape, strides = ragged_shape_strides(t)
-    return _unchecked_descriptor(t, shape, strides, [1, 1, rows, 1, t.shape[3]], _layout(5))
+    return _unchecked_descriptor(t, shape, strides, [1, 1, rows, 1, cols or t.shape[3]], _layout(5))
 
 
 def _unchecked_descriptor(t, shape, strides, block_shape, layout):
@@ -493,7 +486,7 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
                 lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
                 Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod, dq_descriptor(dq_acc, params))
         if cfg.half_dq and D > 128:  # the wide kernel: each consumer stores D / 2 columns of dK and dV
-            args = (*args[:4], _descriptor_cols(dk, desc, D // 2), _descriptor_cols(dv, desc, D // 2), *args[6:])
+            args = (*args[:4], desc(dk, 64, D // 2), desc(dv, 64, D // 2), *args[6:])
         for second in ((False,) if lse_lo is None else (False, True)):
             if cfg.half_dq and D > 128:
                 rec.launch(_wide_dkdv_kernel(), grid, *args, CAUSAL=w["CAUSAL"], HAS_WL=w["HAS_WL"], **mod_flags, D=D,

@@ -30,8 +30,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_dkdv_ws_sm90 import _half_masks, _resident_kv, _store_dq, _tile_masked, _tile_rows
-from .attention_bwd_sm90 import _lo_needed
+from .attention_bwd_dkdv_ws_sm90 import _half_masks, _lo_launch, _resident_kv, _store_dq, _tile_masked, _tile_rows
 from .pipeline import copy_out, copy_pair, key_block, query_window, reduce_out, wait
 from .rounding import LOG2E, exponent, fused_score, mul_rn
 from .scores import modified_score
@@ -320,23 +319,8 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
     mt_lo, n_mt, n_masked, n_lfull = query_window(n0, Sq, Sk, offset, span, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL)
     T = n_mt * group
     # lse_lo's two launches, as the ws kernel's
-    if LO_PASS:
-        active = gl.load(FAR + bh) != 0
-        USE_LO: gl.constexpr = True
-    else:
-        active = True
-        USE_LO: gl.constexpr = False
-        if HAS_LO:
-            if FAR_READY:
-                far = gl.load(FAR + bh) != 0
-            else:
-                far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
-                if n0 == 0:  # (the first key block)
-                    gl.store(FAR + bh, far.to(gl.int32))
-            if far:  # the second launch computes this block; here its dK, dV are zeros
-                T = 0
-    if not active:
-        T = 0
+    USE_LO: gl.constexpr = LO_PASS
+    T, active = _lo_launch(FAR, LSE, bh, row_b, stride_lh, hk, group, Sq, n0, T, HAS_LO, LO_PASS, FAR_READY, num_warps)
 
     k_smem0 = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem0 = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)

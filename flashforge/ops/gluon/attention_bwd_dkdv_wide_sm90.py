@@ -29,9 +29,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .attention_bwd_dkdv_halfdq_sm90 import _tile_lse
-from .attention_bwd_dkdv_ws_sm90 import _tile_masked, _tile_rows
-from .attention_bwd_sm90 import _lo_needed
-from .pipeline import RAGGED, copy_pair, key_block, query_window, reduce_out, wait
+from .attention_bwd_dkdv_ws_sm90 import _lo_launch, _tile_masked, _tile_rows
+from .pipeline import copy_out, copy_pair, key_block, query_window, reduce_out, wait
 from .rounding import exponent, fused_score
 from .scores import modified_score
 
@@ -73,15 +72,6 @@ def _stage_dq(dq, dq_smem, first: gl.constexpr, ROWS: gl.constexpr, DQ_N: gl.con
     lo, hi = dq.reshape([ROWS, 2, DQ_N]).permute(0, 2, 1).split()
     dq_smem.index(first).reshape([ROWS, DQ_N]).store(lo)
     dq_smem.index(first + 1).reshape([ROWS, DQ_N]).store(hi)
-
-
-@gluon.jit
-def _store_cols(desc, b, row, h, col, start, length, src, VARLEN: gl.constexpr):
-    """`pipeline.copy_out` at column col: src into rows [row, row + box) (clipped past the end)."""
-    if VARLEN:
-        tma.async_copy_shared_to_global(desc, [RAGGED, start + length, RAGGED - length + row, h, col], src)
-    else:
-        tma.async_copy_shared_to_global(desc, [b, row, h, col], src)
 
 
 @gluon.jit
@@ -187,8 +177,8 @@ def _wide_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_sme
     dk_out.reshape([ROWS, DH]).store((dk * scale).to(dtype))
     dv_out.reshape([ROWS, DH]).store(dv.to(dtype))
     fence_async_shared()
-    _store_cols(dk_desc, b, n0, hk, ME * DH, k_start, Sk, dk_out, VARLEN)
-    _store_cols(dv_desc, b, n0, hk, ME * DH, k_start, Sk, dv_out, VARLEN)
+    copy_out(dk_desc, b, n0, hk, k_start, Sk, dk_out, VARLEN, ME * DH)
+    copy_out(dv_desc, b, n0, hk, k_start, Sk, dv_out, VARLEN, ME * DH)
     tma.store_wait(0)
 
 
@@ -279,23 +269,8 @@ def attn_bwd_dkdv_wide_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     mt_lo, n_mt, n_masked, n_lfull = query_window(n0, Sq, Sk, offset, span, ROWS, ROWS, CAUSAL, HAS_WL)
     T = n_mt * group
     # lse_lo's two launches, as the other dK/dV kernels'
-    if LO_PASS:
-        active = gl.load(FAR + bh) != 0
-        USE_LO: gl.constexpr = True
-    else:
-        active = True
-        USE_LO: gl.constexpr = False
-        if HAS_LO:
-            if FAR_READY:
-                far = gl.load(FAR + bh) != 0
-            else:
-                far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
-                if n0 == 0:  # (the first key block)
-                    gl.store(FAR + bh, far.to(gl.int32))
-            if far:  # the second launch computes this block; here its dK, dV are zeros
-                T = 0
-    if not active:
-        T = 0
+    USE_LO: gl.constexpr = LO_PASS
+    T, active = _lo_launch(FAR, LSE, bh, row_b, stride_lh, hk, group, Sq, n0, T, HAS_LO, LO_PASS, FAR_READY, num_warps)
 
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)

@@ -42,6 +42,32 @@ from .rounding import fused_score
 
 
 @gluon.jit
+def _lo_launch(FAR, LSE, bh, row_b, stride_lh, hk, group, Sq, n0, T, HAS_LO: gl.constexpr, LO_PASS: gl.constexpr,
+               FAR_READY: gl.constexpr, num_warps: gl.constexpr):
+    """(T, active) of a warp-specialized dK/dV program in lse_lo's two launches: the second
+    (LO_PASS) runs only the blocks of the GQA groups FAR marks (the others are not active: they
+    leave the first launch's dK, dV as they are); the first, with lse_lo (HAS_LO), leaves those
+    blocks to it (their T = 0: dK, dV written as zeros, then redone) and marks FAR itself unless
+    the dQ kernel did (FAR_READY)."""
+    if LO_PASS:
+        active = gl.load(FAR + bh) != 0
+    else:
+        active = True
+        if HAS_LO:
+            if FAR_READY:
+                far = gl.load(FAR + bh) != 0
+            else:
+                far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
+                if n0 == 0:  # (the first key block)
+                    gl.store(FAR + bh, far.to(gl.int32))
+            if far:
+                T = 0
+    if not active:
+        T = 0
+    return T, active
+
+
+@gluon.jit
 def _tile_rows(t, n_mt, mt_lo, hk, group, BLOCK_M: gl.constexpr):
     # (first query row, head) of flattened tile t: (head of the group, query tile)
     g = t // n_mt
@@ -453,23 +479,8 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
     mt_lo, n_mt, n_masked, n_lfull = query_window(n0, Sq, Sk, offset, span, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL)
     T = n_mt * group
     # lse_lo's two launches: which programs this one runs, and whether they subtract it
-    if LO_PASS:
-        active = gl.load(FAR + bh) != 0
-        USE_LO: gl.constexpr = True
-    else:
-        active = True
-        USE_LO: gl.constexpr = False
-        if HAS_LO:
-            if FAR_READY:
-                far = gl.load(FAR + bh) != 0
-            else:
-                far = _lo_needed(LSE, row_b, stride_lh, hk, group, Sq, num_warps)
-                if n0 == 0:  # (the first key block)
-                    gl.store(FAR + bh, far.to(gl.int32))
-            if far:  # the second launch computes this block; here its dK, dV are zeros
-                T = 0
-    if not active:
-        T = 0
+    USE_LO: gl.constexpr = LO_PASS
+    T, active = _lo_launch(FAR, LSE, bh, row_b, stride_lh, hk, group, Sq, n0, T, HAS_LO, LO_PASS, FAR_READY, num_warps)
 
     k_smem0 = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem0 = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)

@@ -42,12 +42,13 @@ def copy_pair(desc0, desc1, b, row, h, start, length, bar, dst0, dst1, VARLEN: g
 
 
 @gluon.jit
-def copy_out(desc, b, row, h, start, length, src, VARLEN: gl.constexpr):
-    """src into rows [row, row + box) of copy_in's addressing; rows past the end are not written."""
+def copy_out(desc, b, row, h, start, length, src, VARLEN: gl.constexpr, col=0):
+    """src into rows [row, row + box) of copy_in's addressing, from column col (a box narrower than
+    the head dim); rows past the end are not written."""
     if VARLEN:
-        tma.async_copy_shared_to_global(desc, [RAGGED, start + length, RAGGED - length + row, h, 0], src)
+        tma.async_copy_shared_to_global(desc, [RAGGED, start + length, RAGGED - length + row, h, col], src)
     else:
-        tma.async_copy_shared_to_global(desc, [b, row, h, 0], src)
+        tma.async_copy_shared_to_global(desc, [b, row, h, col], src)
 
 
 @builtin
