@@ -112,14 +112,18 @@ def _dq_part(ds_mine, ds_other, k_t, k_o, s, dq_zero, ME: gl.constexpr, BLOCK_M:
 
 
 @gluon.jit
-def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_smem, kv_bar, k_other, kv_bar_other, q_ring,
+def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring, v_ring, kv_bar, k_ring_other, kv_bar_other, q_ring,
                    do_ring, ready, empty, ds_mine, ds_other, ds_ready, ds_free, dq_smem, dq_full, dq_empty, b, hk,
                    group, n0, k_start, Sk, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh,
                    qk_scale, scale, softcap, SL, stride_sh, alibi_off, ME: gl.constexpr, CAUSAL: gl.constexpr,
                    HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr,
                    D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr,
                    DQ_N: gl.constexpr, DEFER: gl.constexpr):
-    """dK, dV of keys n0 + 64 ME + [0, 64), and half of every tile's dQ (module docstring)."""
+    """dK, dV of keys n0 + 64 ME + [0, 64), and half of every tile's dQ (module docstring).  K, V
+    and the other half's K come as one-slot rings (the loop indexes them, below)."""
+    k_smem = k_ring.index(0)
+    v_smem = v_ring.index(0)
+    k_other = k_ring_other.index(0)
     dtype: gl.constexpr = k_smem.dtype
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
     # S^T / dP^T: [keys, queries]; dK / dV: [keys, D]; the dQ part: [64, 64]
@@ -143,6 +147,13 @@ def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_sme
     k_t, v_t, k_o = _resident_kv(k_smem, v_smem, kv_bar, k_other, kv_bar_other, D, True)
     for t in range(T):
         wait(ready, t, STAGES)
+        # the resident K / V by an index the compiler cannot fold (t < 2**30): as constants, every
+        # product's shared-memory descriptors are loop-invariant, get hoisted out of the loop and
+        # spilled (sm_90 compile, D = 128: LDL/STL 12/17 -> 1/1)
+        z = t >> 30
+        k_t = k_ring.index(z).reshape([HALF, D])
+        v_t = v_ring.index(z).reshape([HALF, D])
+        k_o = k_ring_other.index(z).reshape([HALF, D])
         q_s = q_ring.index(t % STAGES).reshape([BLOCK_M, D])
         do_s = do_ring.index(t % STAGES).reshape([BLOCK_M, D])
         st = warpgroup_mma(k_t, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -322,10 +333,11 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
     USE_LO: gl.constexpr = LO_PASS
     T, active = _lo_launch(FAR, LSE, bh, row_b, stride_lh, hk, group, Sq, n0, T, HAS_LO, LO_PASS, FAR_READY, num_warps)
 
-    k_smem0 = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem0 = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    k_smem1 = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem1 = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    # one-slot rings: the consumers index them in their loops (see _half_consumer)
+    k_ring0 = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_ring0 = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    k_ring1 = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_ring1 = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -358,19 +370,20 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
 
     if active:
         gl.warp_specialize([
-            (_half_consumer, (dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem0, v_smem0, kv_bars.index(0), k_smem1,
+            (_half_consumer, (dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring0, v_ring0, kv_bars.index(0), k_ring1,
                               kv_bars.index(1), q_ring, do_ring, ready, empty, ds_ring0, ds_ring1, ds_ready, ds_free,
                               dq_smem0, dq_full.index(0), dq_empty.index(0), b, hk, group, n0, k_start, Sk, Sq,
                               offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale,
                               softcap, SL, stride_sh, alibi_off, 0, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M,
                               D, STAGES, VARLEN, USE_LO, DQ_N, DEFER)),
-            (_half_consumer1, (dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem1, v_smem1, kv_bars.index(1), k_smem0,
+            (_half_consumer1, (dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring1, v_ring1, kv_bars.index(1), k_ring0,
                                kv_bars.index(0), q_ring, do_ring, ready, empty, ds_ring1, ds_ring0, ds_ready, ds_free,
                                dq_smem1, dq_full.index(1), dq_empty.index(1), b, hk, group, n0, k_start, Sk, Sq,
                                offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale,
                                softcap, SL, stride_sh, alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D,
                                STAGES, VARLEN, USE_LO, DQ_N, DEFER)),
-            (_stats_loader, (q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring,
+            (_stats_loader, (q_desc, k_desc, v_desc, do_desc, k_ring0.index(0), v_ring0.index(0), k_ring1.index(0),
+                             v_ring1.index(0), kv_bars, q_ring,
                              do_ring, ready, empty, lse_ring, delta_ring, LSE, DELTA, row_b, stride_lh, b, hk,
                              group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M, STAGES, VARLEN)),
             (_part_writer, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt,
