@@ -157,8 +157,12 @@ def _wide_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_sme
         # dQ_t's columns in two [64, DH / 2] parts, one after the other (a whole [64, DH] part
         # beside dK and dV spilled: 368 B of stack a thread)
         dq = warpgroup_mma(ds_smem, k_lo, dq_zero, use_acc=False, is_async=True)
-        dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk))
-        mbarrier.arrive(empty.index(0), count=1)  # (Q and dO read by all of this consumer's products)
+        # Q and dO are read by all of this consumer's products once dV's and dK's retire: the
+        # slot goes back to the loader while dQ_t's products still run (its load, which one slot
+        # leaves exposed, starts a product earlier)
+        dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))
+        mbarrier.arrive(empty.index(0), count=1)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
         mbarrier.wait(dq_empty, (t & 1) ^ 1)  # the writer has handed the previous tile's parts on
         _stage_dq(dq * scale, dq_smem, 0, ROWS, DQ_N)
         dq = warpgroup_mma(ds_smem, k_hi, dq_zero, use_acc=False, is_async=True)
