@@ -391,7 +391,7 @@ def test_wide_dkdv_tiles_fit_d256_only():
     assert not gluon_attention.fuses_dq(wide, 256, _params(deterministic=True))
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_long_backward_takes_the_warp_specialized_kernel(D):
     """The table's "bwd_kv_ws" entry (the warp-specialized dK/dV kernel, dQ fused in FA3's layout,
     half_dq) serves a backward from its min_keys keys on; shorter calls, narrower windows and

@@ -302,7 +302,9 @@ def _long_bwd_kv(g_kv, k, D: int, elem: int, arch, params: AttnParams):
     may be added in varying order (not deterministic); else `g_kv` (the ordered pair's).  Why: on
     the H100 (bf16, benchmarks/RESULTS.md v0.9.6, v0.9.7) the half-dQ backward ran 1.17-1.26x the
     pair's from S = 4k and 1.10-1.16x at 2k, but at S = 1k causal 0.86-0.89x (a program's fixed
-    costs: its zeroed accumulator, its conversion, few query tiles a key block)."""
+    costs: its zeroed accumulator, its conversion, few query tiles a key block).  At D = 256 the
+    entry is the wide kernel (consumers split the head dim): 1.17-1.31x a training step from S = 4k
+    (v0.9.8)."""
     keys = gluon_attention.key_count(k, params)
     ws = gluon_config(D, elem, False, arch, "bwd_kv_ws")
     if ws is None or keys < ws.min_keys or 0 <= params.window_left < ws.min_keys:

@@ -179,6 +179,13 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
                                            min_keys=2048),
     ("bwd_kv_ws_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, half_dq=True,
                                             overlap=False, min_keys=2048),
+    # D = 256 from 4096 keys, not deterministic: the wide dK/dV kernel (two consumers share 64 keys,
+    # each half of the head dim's dK, dV and dQ_t; ops/gluon/attention_bwd_dkdv_wide_sm90.py).
+    # H100, bf16, one process (RESULTS.md v0.9.8, fused_dq_gpu.py): backward 346 TFLOP/s against the
+    # ordered split pair's 296 at S = 4k, 406 against 294 at 16k causal (a training step 1.17x,
+    # 1.31x).  Shorter calls are unmeasured, so they keep the pair
+    ("bwd_kv_ws_gluon", 256, 2): TileConfig(64, 64, 4, 1, gluon=True, consumers=2, fused_dq=True, half_dq=True,
+                                            min_keys=4096),
     ("bwd_q_gluon", 64, 2): TileConfig(64, 64, 4, 3, gluon=True),
     ("bwd_q_gluon", 128, 2): TileConfig(64, 64, 4, 3, gluon=True, v_stages=1),
     ("fwd", 64, 4): TileConfig(64, 64, 4, 2),
