@@ -70,8 +70,8 @@ class TileConfig:
     # as rs, and each consumer computes half of every query tile's dQ from both consumers' dS
     # (FA3's layout): block_m = 128 query rows at D = 64 (rows split), 64 at D = 128 (columns split);
     # at D = 256 the wide kernel (ops/gluon/attention_bwd_dkdv_wide_sm90.py: 64 x 64 tiles, one
-    # stage, the consumers splitting the head dim), opt-in: 0.86-0.90x the ordered pair's backward
-    # (H100, RESULTS.md v0.9.7)
+    # stage, the consumers splitting the head dim): the table's D = 256 entry from 4096 keys,
+    # 1.17-1.38x the ordered pair's backward (H100, RESULTS.md v0.9.8)
     half_dq: bool = False
 
 
