@@ -760,3 +760,22 @@ def test_varlen_warp_specialized_dq(shape, kw, dtype, gluon_spies):
     finally:
         for bucket in (64, 128):
             configs.set_config("bwd_q", bucket, 2, None)
+
+
+def test_causal_sections_with_a_partial_last_one():
+    """Causal programs run longest-first in L2 sections of heads (`pipeline.program_order`); this
+    file's shapes are one section each, so a child process reads a small FLASHFORGE_L2_SECTION
+    (at import, as the kernels do) and runs tests/gluon_sections_child.py: several sections, the
+    last one short, every forward and backward kernel family."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, FLASHFORGE_L2_SECTION="655360")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           os.path.join(here, "gluon_sections_child.py")], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(here))
+    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    assert " 7 passed" in proc.stdout and "skipped" not in proc.stdout, tail

@@ -324,7 +324,7 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
     NQH: gl.constexpr = BLOCK_M // HALF  # dS^T tiles a slot (one a 64-query half)
     bh, b, hk, n0, q_start, Sq, k_start, Sk, offset, row_b = key_block(CU_Q, CU_K, ORDER, Hq, group, Sq, Sk, total_q,
                                                                        total_k, offset, bottom_right, stride_lb,
-                                                                       BLOCK_N, VARLEN)
+                                                                       BLOCK_N, VARLEN, CAUSAL, D)
     SL = SLOPES + b * stride_sb
     alibi_off = offset - right
     mt_lo, n_mt, n_masked, n_lfull = query_window(n0, Sq, Sk, offset, span, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL)

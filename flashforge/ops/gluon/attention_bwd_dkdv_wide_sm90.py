@@ -267,7 +267,7 @@ def attn_bwd_dkdv_wide_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     DQ_N: gl.constexpr = dq_desc.block_type.shape[len(dq_desc.block_type.shape) - 1]
     bh, b, hk, n0, q_start, Sq, k_start, Sk, offset, row_b = key_block(CU_Q, CU_K, ORDER, Hq, group, Sq, Sk, total_q,
                                                                        total_k, offset, bottom_right, stride_lb,
-                                                                       ROWS, VARLEN)
+                                                                       ROWS, VARLEN, CAUSAL, D)
     SL = SLOPES + b * stride_sb
     alibi_off = offset - right
     mt_lo, n_mt, n_masked, n_lfull = query_window(n0, Sq, Sk, offset, span, ROWS, ROWS, CAUSAL, HAS_WL)

@@ -471,7 +471,7 @@ def attn_bwd_dkdv_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_de
     BLOCK_N: gl.constexpr = 2 * HALF
     bh, b, hk, n0, q_start, Sq, k_start, Sk, offset, row_b = key_block(CU_Q, CU_K, ORDER, Hq, group, Sq, Sk, total_q,
                                                                        total_k, offset, bottom_right, stride_lb,
-                                                                       BLOCK_N, VARLEN)
+                                                                       BLOCK_N, VARLEN, CAUSAL, D)
     SL = SLOPES + b * stride_sb
     alibi_off = offset - right
 

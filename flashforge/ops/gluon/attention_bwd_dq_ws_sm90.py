@@ -171,8 +171,8 @@ def attn_bwd_dq_ws_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LS
     dtype: gl.constexpr = q_desc.dtype
     kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope, u_lo, u_tiles, row = ws_program(
         Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES, stride_sb,
-        stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, HAS_ALIBI, VARLEN)
-    far_at = FAR + kv_row  # the dK/dV kernel's program_id(1)
+        stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, HAS_ALIBI, VARLEN, D)
+    far_at = FAR + kv_row  # the dK/dV kernel's grid row (`key_program`)
 
     q_smem0 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     q_smem1 = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)

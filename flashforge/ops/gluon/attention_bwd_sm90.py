@@ -46,8 +46,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_block, key_window, load_rows,
-                       query_program, query_window, reduce_out, slot, visible, wait)
+from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_block, key_program, key_window,
+                       load_rows, query_program, query_window, reduce_out, slot, visible, wait)
 from .rounding import LOG2E, exponent, fused_score, mul_rn
 from .scores import modified_score
 
@@ -462,7 +462,7 @@ def attn_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     a float32 dQ accumulator through dq_desc (TMA reduce-add, [1, 64, 1, DQ_N] boxes), and no dQ
     kernel runs."""
     if LO_PASS:
-        if gl.load(FAR + gl.program_id(1)) != 0:
+        if gl.load(FAR + key_program(Sq, group, CAUSAL, D)[1]) != 0:
             _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR, stride_lb,
                         stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group, offset, bottom_right, span,
                         qk_scale, scale, softcap, SLOPES, stride_sb, stride_sh, right, dq_desc, CAUSAL, HAS_WL,
@@ -490,7 +490,7 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)  # (rounding.py)
     bh, b, hk, n0, q_start, Sq, k_start, Sk, offset, row_b = key_block(CU_Q, CU_K, ORDER, Hq, group, Sq, Sk, total_q,
                                                                        total_k, offset, bottom_right, stride_lb,
-                                                                       BLOCK_N, VARLEN)
+                                                                       BLOCK_N, VARLEN, CAUSAL, D)
     SL = SLOPES + b * stride_sb  # ALiBi: this sequence's slopes (read per head, `_dst_tile`)
     alibi_off = offset - right  # (the forward's)
 
@@ -753,8 +753,8 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)  # (rounding.py)
     kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope = query_program(
         Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, right, SLOPES, stride_sb,
-        stride_sh, BLOCK_M, CAUSAL, HAS_ALIBI, VARLEN)
-    far_at = FAR + kv_row  # the dK/dV kernel's program_id(1)
+        stride_sh, BLOCK_M, CAUSAL, HAS_ALIBI, VARLEN, D)
+    far_at = FAR + kv_row  # the dK/dV kernel's grid row (`key_program`)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])

@@ -124,7 +124,7 @@ def attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_lb,
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)  # (rounding.py)
     _, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope = query_program(
         Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, right, SLOPES, stride_sb,
-        stride_sh, BLOCK_M, CAUSAL, HAS_ALIBI, VARLEN)
+        stride_sh, BLOCK_M, CAUSAL, HAS_ALIBI, VARLEN, D)
 
     # one warp per 16 rows (a warpgroup per 64); the MMA's N is the whole tile
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],

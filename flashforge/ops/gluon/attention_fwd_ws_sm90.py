@@ -174,7 +174,7 @@ def attn_fwd_ws_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO, stride_
     gl.static_assert((NC == 2) or ((NC == 3) and not PINGPONG), "two consumers, or three without ping-pong")
     _, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope, u_lo, u_tiles, row_lse = ws_program(
         Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES, stride_sb,
-        stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, HAS_ALIBI, VARLEN, NC)
+        stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, HAS_ALIBI, VARLEN, D, NC)
 
     q_all = gl.allocate_shared_memory(dtype, [NC] + q_desc.block_type.shape, q_desc.layout)  # one Q a consumer
     k_ring, v_ring, q_bars, turn, k_ready, k_empty, v_ready, v_empty = ws_rings(k_desc, v_desc, STAGES, V_STAGES,
