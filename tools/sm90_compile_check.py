@@ -71,6 +71,11 @@ def _signature(fn, args, kwargs):
         v = values[name]
         if fn.params[i].is_constexpr:
             sig[name], consts[name] = "constexpr", v
+        elif type(v) is int and v == 1 and not fn.params[i].do_not_specialize:
+            # the JIT passes an int argument equal to 1 as a constant (a length of one key): the
+            # kernel sees a Python int there, with no tensor methods
+            sig[name], consts[name] = "constexpr", 1
+            continue
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + _DTYPES[v.dtype]
             aligned = v.data_ptr() % 16 == 0
@@ -265,6 +270,8 @@ def record(quick: bool):
 
     run()
     run(window_right=0)
+    run(Sq=64, Sk=1)  # one key: the JIT passes Sk as the constant 1
+    run(Sq=64, Sk=1, window_right=0)
     run(D=256, dtype=torch.float16)  # the table's D = 256 (Gluon on sm_90; dV and dK in two launches)
     # sliding windows (Gluon on sm_90: HAS_WL, the right side folded into the offset)
     run(D=128, window_left=40, window_right=0)

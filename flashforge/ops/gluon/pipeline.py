@@ -124,8 +124,9 @@ def sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset, bottom_righ
 @gluon.jit
 def key_program(Sq, group, CAUSAL: gl.constexpr, D: gl.constexpr):
     """(key block, grid row b * Hkv + hk) of a dK/dV program, in `program_order`: a program streams
-    the group's queries (Q and dO, 16-bit) from its keys on, 4 D bytes a query a head."""
-    return program_order(Sq.to(gl.int64) * (4 * D * group), CAUSAL)
+    the group's queries (Q and dO, 16-bit) from its keys on, 4 D bytes a query a head (to_tensor: a
+    length of 1 arrives as a constant int)."""
+    return program_order(gl.to_tensor(Sq).to(gl.int64) * (4 * D * group), CAUSAL)
 
 
 @gluon.jit
@@ -207,7 +208,7 @@ def query_block(Sq, Sk, Hq, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, 
     tail of the wave."""
     n_m = gl.cdiv(Sq, BLOCK_M)
     # a program streams K and V (16-bit) of its KV head, which the group's heads share
-    pid, bh = program_order(Sk.to(gl.int64) * (4 * D) // group, CAUSAL)
+    pid, bh = program_order(gl.to_tensor(Sk).to(gl.int64) * (4 * D) // group, CAUSAL)
     if CAUSAL:
         pid = n_m - 1 - pid
     b = bh // Hq
