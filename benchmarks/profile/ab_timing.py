@@ -78,6 +78,7 @@ def child(dtype_name: str, grid_only: bool, only: list[str], features: bool) -> 
         for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
             ms = triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
             out[f"{name} {mode}"] = flops(D, S, causal, mode, window) / ms / 1e9
+            print(f"{name} {mode} {out[f'{name} {mode}']:.1f}", file=sys.stderr, flush=True)  # progress
     print("AB_RESULT " + json.dumps(out), flush=True)
 
 
@@ -88,6 +89,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", default=None)
     ap.add_argument("--grid-only", action="store_true", help="leave out the D = 256 rows")
+    # (2026-12-06, H100: with --warm the parent printed nothing within 320 s, where one child alone
+    # took 38 s cold -- cause not found; each child prints its rows to stderr as it goes, and
+    # `--child` runs one directly)
     ap.add_argument("--warm", action="store_true", help="first run every tree at once, untimed (compiles)")
     ap.add_argument("--only", action="append", default=[],
                     help='time only this row, e.g. "D128 S4096 causal" (repeatable)')
