@@ -2,7 +2,8 @@
 the last one partial, against the float64 reference with poisoned outputs (conftest).
 
 Not collected on its own (no test_ prefix): `test_gluon_sm90.test_causal_sections_with_a_partial_last_one`
-runs it in a child process with FLASHFORGE_L2_SECTION = BUDGET, which the kernels read at import.
+runs it in a child process with FLASHFORGE_L2_SECTION = BUDGET, which the kernels read at import,
+and FLASHFORGE_WAVE = WAVE, a wave too wide to bound a section, so the byte budget alone decides.
 The shapes here put 255-257 kB of streamed inputs on each head, so sections hold two heads
 (five at GQA 6/3's forward), where the test files' shapes are one section each.
 """
@@ -16,6 +17,7 @@ from flashforge.ops.triton import configs
 from helpers import Case, check_case
 
 BUDGET = 655360
+WAVE = 1 << 20
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not SM90, reason="the Gluon kernels are for sm_90 GPUs"),
               pytest.mark.skipif(int(os.environ.get("FLASHFORGE_L2_SECTION", "-1")) != BUDGET,
@@ -42,13 +44,13 @@ CASES = [
 
 
 def sections(heads: int, head_bytes: int) -> int:
-    """Heads a section holds: `program_order`'s rule."""
+    """Heads a section holds: `program_order`'s rule (its wave term, 2**20 programs, never binds here)."""
     return min(max(BUDGET // max(head_bytes, 1), 1), heads)
 
 
 @pytest.mark.parametrize("c, dtype, tiles", [pytest.param(*x[1:], id=x[0]) for x in CASES])
 def test_causal_sections(c, dtype, tiles):
-    assert pipeline.L2_SECTION.value == BUDGET
+    assert pipeline.L2_SECTION.value == BUDGET and pipeline.WAVE.value == WAVE
     group = c.Hq // c.Hkv
     fwd = sections(c.B * c.Hq, c.Sk * 4 * c.D // group)
     bwd = sections(c.B * c.Hkv, c.Sq * 4 * c.D * group)

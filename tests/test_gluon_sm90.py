@@ -773,7 +773,7 @@ def test_causal_sections_with_a_partial_last_one():
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, FLASHFORGE_L2_SECTION="655360")
+    env = dict(os.environ, FLASHFORGE_L2_SECTION="655360", FLASHFORGE_WAVE=str(1 << 20))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                            os.path.join(here, "gluon_sections_child.py")], env=env, capture_output=True, text=True,
                           cwd=os.path.dirname(here))

@@ -22,12 +22,30 @@ from triton._C.libtriton import ir
 
 RAGGED = gl.constexpr(0x40000000)  # 2**30: the ragged descriptors' row extent (attention.ragged_shape_strides)
 # Bytes of streamed inputs (K and V for query programs, Q and dO for key programs) that the heads of
-# one causal section (`program_order`) may ask of L2 together; 0 keeps the grid's own order (each
-# head's blocks in turn).  A tuning knob, read once at import.  H100, bf16, one process a setting
-# (RESULTS.md v0.9.9): 8 MiB lifts the causal forward 2-5% (D = 64 16k, D = 128 1k and 4k, GQA)
-# and loses no timed row; 32 MiB gave the GQA 32/8 backward +8% but D = 128 at 1k -5% forward,
-# -8% forward+backward
-L2_SECTION = gl.constexpr(int(os.environ.get("FLASHFORGE_L2_SECTION", 8 << 20)))
+# one causal section (`program_order`) may ask of L2 together, at most; 0 keeps the grid's own order
+# (each head's blocks in turn).  A tuning knob, read once at import.  H100, bf16, one process a
+# setting (RESULTS.md v0.9.9): a fixed 8 MiB lifted the causal forward 2-5% and lost no row; a fixed
+# 32 MiB gave the GQA 32/8 backward +8% but D = 128 at 1k -5% forward, -8% forward+backward.  Every
+# row's best setting held about one wave of programs, hence WAVE below, with this as the cap.
+L2_SECTION = gl.constexpr(int(os.environ.get("FLASHFORGE_L2_SECTION", 32 << 20)))
+
+
+def _wave() -> int:
+    """Programs the GPU runs at once, taken as one a multiprocessor (the causal sm_90 kernels' tiles
+    leave no room in shared memory for a second): $FLASHFORGE_WAVE, else device 0's multiprocessors,
+    else an H100 / H200's 132."""
+    if "FLASHFORGE_WAVE" in os.environ:
+        return int(os.environ["FLASHFORGE_WAVE"])
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).multi_processor_count
+    except Exception:  # no usable driver: the default is only a section size
+        pass
+    return 132
+
+
+WAVE = gl.constexpr(_wave())
 
 
 @gluon.jit
@@ -185,16 +203,21 @@ def program_order(head_bytes, CAUSAL: gl.constexpr):
     and 4k and 14% of the GQA 32/8 backward (a program walks the group's four heads), against
     <= 1% longest-first over every head.  Longest-first over every head would stream every head's
     inputs at once, out of L2, so the heads go in sections (L2 swizzling, as FA3's scheduler): in
-    each section of `sect` heads, whose streamed inputs (head_bytes each, int64) fit L2_SECTION,
-    block 0 of every head, then block 1, ...; the model puts that within 1-2% of longest-first.
-    (Measured, the model's gains came where sections were small: L2_SECTION's note.)  Without
+    each section of `sect` heads -- about one wave of programs (WAVE), as many as their streamed
+    inputs (head_bytes each, int64) fit L2_SECTION -- block 0 of every head, then block 1, ...; the
+    model puts that within 1-2% of longest-first.  (Measured: L2_SECTION's note.)  Without
     CAUSAL (equal programs) or with L2_SECTION = 0, the grid's own order."""
     blk = gl.program_id(0)
     bh = gl.program_id(1)
     if CAUSAL and L2_SECTION > 0:
         n_blk = gl.num_programs(0)
         n_bh = gl.num_programs(1)
-        sect = gl.minimum(gl.maximum(L2_SECTION // gl.maximum(head_bytes, 1), 1), n_bh).to(gl.int32)
+        # the number of heads whose blocks come nearest one wave of programs (the next section's
+        # longest then fill the wave's tail; H100, v0.9.10: rounding up put 5 heads of 32 blocks in a
+        # D = 128 4k forward's section where 4 ran 3% faster), no more than L2_SECTION's bytes hold
+        wave = (WAVE + n_blk // 2) // n_blk
+        sect = gl.minimum(gl.minimum(L2_SECTION // gl.maximum(head_bytes, 1), wave), n_bh)
+        sect = gl.maximum(sect, 1).to(gl.int32)
         size = sect * n_blk  # programs of a full section (<= the grid's, an int32)
         pid = bh * n_blk + blk
         s = pid // size

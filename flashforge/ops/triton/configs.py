@@ -174,11 +174,17 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # 328 (1.04x); S = 1k 1.02-1.05x a step, but causal 0.94x a step at D = 128 (v0.9.6: the backward
     # 0.86x at D = 64): min_keys, which a narrower window also falls short of (`attention._long_bwd_kv`).
     # D = 64 issues a tile's dQ part with the next tile's products (overlap: 1.03-1.09x lockstep);
-    # D = 128 lockstep (0.93-1.06x overlap, within the runs' noise)
+    # D = 128 lockstep (0.93-1.06x overlap, within the runs' noise).  v0.9.10 (H100, one process a
+    # setting, two rounds): from 1024 keys, S = 1k without a mask 1.04x (D = 64) and 1.05x (D = 128) a
+    # training step; causal 0.87x and 0.89x, so masked calls ("_causal": causal or windowed) keep 2048
     ("bwd_kv_ws_gluon", 64, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, half_dq=True,
-                                           min_keys=2048),
+                                           min_keys=1024),
     ("bwd_kv_ws_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, half_dq=True,
-                                            overlap=False, min_keys=2048),
+                                            overlap=False, min_keys=1024),
+    ("bwd_kv_ws_gluon_causal", 64, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, fused_dq=True,
+                                                  half_dq=True, min_keys=2048),
+    ("bwd_kv_ws_gluon_causal", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True,
+                                                   half_dq=True, overlap=False, min_keys=2048),
     # D = 256 from 4096 keys, not deterministic: the wide dK/dV kernel (two consumers share 64 keys,
     # each half of the head dim's dK, dV and dQ_t; ops/gluon/attention_bwd_dkdv_wide_sm90.py).
     # H100, bf16, one process (RESULTS.md v0.9.8, fused_dq_gpu.py): backward 346 TFLOP/s against the
@@ -246,7 +252,7 @@ _TABLE = _SM90  # the measured table (tests and tools read it)
 _INTERPRETER = TileConfig(16, 16, 1, 1)
 KINDS = ("fwd", "fwd_causal", "fwd_decode", "fwd_gluon", "fwd_gluon_causal", "fwd_long_gluon", "fwd_long_gluon_causal",
          "bwd_kv", "bwd_kv_dropout", "bwd_q",
-         "bwd_kv_gluon", "bwd_kv_ws_gluon", "bwd_q_gluon")
+         "bwd_kv_gluon", "bwd_kv_ws_gluon", "bwd_kv_ws_gluon_causal", "bwd_q_gluon")
 _overrides: dict[tuple[str, int, int], TileConfig] = {}
 ENV_FILE = "FLASHFORGE_TILE_CONFIGS"
 
@@ -359,7 +365,8 @@ def _get_config(kind: str, head_dim: int, elem_size: int, causal: bool, arch: tu
 def gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, int],
                  kind: str = "fwd") -> TileConfig | None:
     """The Gluon kernel's tiles for pass `kind` ("fwd", "bwd_kv", "bwd_q": the table's
-    "<kind>_gluon" entries, and "fwd_gluon_causal" for a causal forward), or None: where there
+    "<kind>_gluon" entries, and "<kind>_gluon_causal", where there is one, for a causal forward
+    or a masked "bwd_kv_ws" call), or None: where there
     is no entry, or where the pass's own tiles are overridden (set_config,
     $FLASHFORGE_TILE_CONFIGS: a sweep or a user chose them, and an override with gluon=True
     asks for Gluon itself)."""
@@ -378,7 +385,7 @@ def _gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, 
     if any(key in source for source in (_overrides, _from_env) for key in base_keys):
         return None
     keys = [(kind + "_gluon", bucket, elem_size)]
-    if causal and base == "fwd":
+    if causal and (base == "fwd" or kind == "bwd_kv_ws"):
         keys.insert(0, (kind + "_gluon_causal", bucket, elem_size))
     return _lookup(keys, arch)
 
