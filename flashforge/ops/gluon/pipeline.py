@@ -26,7 +26,7 @@ RAGGED = gl.constexpr(0x40000000)  # 2**30: the ragged descriptors' row extent (
 # (each head's blocks in turn).  A tuning knob, read once at import.  H100, bf16, one process a
 # setting (RESULTS.md v0.9.9): a fixed 8 MiB lifted the causal forward 2-5% and lost no row; a fixed
 # 32 MiB gave the GQA 32/8 backward +8% but D = 128 at 1k -5% forward, -8% forward+backward.  Every
-# row's best setting held about one wave of programs, hence WAVE below, with this as the cap.
+# row's best setting held about one wave of programs or less, hence WAVE below, with this as the cap.
 L2_SECTION = gl.constexpr(int(os.environ.get("FLASHFORGE_L2_SECTION", 32 << 20)))
 
 
@@ -203,8 +203,8 @@ def program_order(head_bytes, CAUSAL: gl.constexpr):
     and 4k and 14% of the GQA 32/8 backward (a program walks the group's four heads), against
     <= 1% longest-first over every head.  Longest-first over every head would stream every head's
     inputs at once, out of L2, so the heads go in sections (L2 swizzling, as FA3's scheduler): in
-    each section of `sect` heads -- about one wave of programs (WAVE), as many as their streamed
-    inputs (head_bytes each, int64) fit L2_SECTION -- block 0 of every head, then block 1, ...; the
+    each section of `sect` heads -- as many as one wave of programs (WAVE) holds and their streamed
+    inputs (head_bytes each, int64) fit in L2_SECTION -- block 0 of every head, then block 1, ...; the
     model puts that within 1-2% of longest-first.  (Measured: L2_SECTION's note.)  Without
     CAUSAL (equal programs) or with L2_SECTION = 0, the grid's own order."""
     blk = gl.program_id(0)
@@ -212,10 +212,11 @@ def program_order(head_bytes, CAUSAL: gl.constexpr):
     if CAUSAL and L2_SECTION > 0:
         n_blk = gl.num_programs(0)
         n_bh = gl.num_programs(1)
-        # the number of heads whose blocks come nearest one wave of programs (the next section's
-        # longest then fill the wave's tail; H100, v0.9.10: rounding up put 5 heads of 32 blocks in a
-        # D = 128 4k forward's section where 4 ran 3% faster), no more than L2_SECTION's bytes hold
-        wave = (WAVE + n_blk // 2) // n_blk
+        # as many heads as one wave of programs holds (the next section's longest then fill the
+        # wave's tail), at least one, no more than L2_SECTION's bytes hold.  (RESULTS.md v0.9.10:
+        # sections one head past a wave -- 5 x 32 and 17 x 8 blocks -- read 3-4% under 4 x 32 and
+        # 16 x 8 in the D = 128 causal forward at 4k and 1k, on an H100 and an H200)
+        wave = WAVE // n_blk
         sect = gl.minimum(gl.minimum(L2_SECTION // gl.maximum(head_bytes, 1), wave), n_bh)
         sect = gl.maximum(sect, 1).to(gl.int32)
         size = sect * n_blk  # programs of a full section (<= the grid's, an int32)
