@@ -89,10 +89,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", default=None)
     ap.add_argument("--grid-only", action="store_true", help="leave out the D = 256 rows")
-    # (2026-12-06, H100: with --warm the parent printed nothing within 320 s, where one child alone
-    # took 38 s cold -- cause not found; each child prints its rows to stderr as it goes, and
-    # `--child` runs one directly)
-    ap.add_argument("--warm", action="store_true", help="first run every tree at once, untimed (compiles)")
+    # (2026-12-06, H100: when --warm ran every tree's child at once, the parent printed nothing within
+    # 320 s, where one child alone took 38 s cold -- cause not found; now they run one after another,
+    # each bounded by --child-timeout, and each child prints its rows to stderr as it goes)
+    ap.add_argument("--warm", action="store_true", help="first run every tree once, untimed (compiles)")
+    ap.add_argument("--child-timeout", type=float, default=300, help="seconds a child may run (default 300)")
     ap.add_argument("--only", action="append", default=[],
                     help='time only this row, e.g. "D128 S4096 causal" (repeatable)')
     ap.add_argument("--features", action="store_true", help="also the GQA 32/8 and window 1023 rows")
@@ -116,15 +117,23 @@ def main() -> None:
         cmd += (["--grid-only"] if args.grid_only else []) + (["--features"] if args.features else [])
         return cmd, dict(os.environ, PYTHONPATH=os.path.abspath(path), **tree_env[name])
 
-    if args.warm:  # compile every tree's kernels at once (Triton's cache keeps them); these timings are dropped
-        procs = [subprocess.Popen(command(name, path)[0], env=command(name, path)[1], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL) for name, path in trees]
-        print("warm-up exits:", [p.wait() for p in procs], flush=True)
+    if args.warm:  # compile every tree's kernels (Triton's cache keeps them); these timings are dropped
+        for name, path in trees:
+            cmd, env = command(name, path)
+            try:
+                rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    timeout=args.child_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timed out"
+            print(f"warm-up {name}: {rc}", flush=True)
     for r in range(args.rounds):
         order = trees if r % 2 == 0 else trees[::-1]
         for name, path in order:
             cmd, env = command(name, path)
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+            except subprocess.TimeoutExpired as e:
+                sys.exit(f"{name} (round {r}) ran past {args.child_timeout} s:\n{(e.stderr or b'')[-3000:]!r}")
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("AB_RESULT ")]
             if proc.returncode or not line:
                 sys.exit(f"{name} (round {r}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
