@@ -177,14 +177,11 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # D = 128 lockstep (0.93-1.06x overlap, within the runs' noise).  v0.9.10 (H100, one process a
     # setting, two rounds): from 1024 keys, S = 1k without a mask 1.04x (D = 64) and 1.05x (D = 128) a
     # training step; causal 0.87x and 0.89x, so masked calls ("_causal": causal or windowed) keep 2048
+    # (the same tiles: the entries follow the table)
     ("bwd_kv_ws_gluon", 64, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, half_dq=True,
                                            min_keys=1024),
     ("bwd_kv_ws_gluon", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True, half_dq=True,
                                             overlap=False, min_keys=1024),
-    ("bwd_kv_ws_gluon_causal", 64, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, fused_dq=True,
-                                                  half_dq=True, min_keys=2048),
-    ("bwd_kv_ws_gluon_causal", 128, 2): TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True,
-                                                   half_dq=True, overlap=False, min_keys=2048),
     # D = 256 from 4096 keys, not deterministic: the wide dK/dV kernel (two consumers share 64 keys,
     # each half of the head dim's dK, dV and dQ_t; ops/gluon/attention_bwd_dkdv_wide_sm90.py).
     # H100, bf16, one process (RESULTS.md v0.9.8, fused_dq_gpu.py): backward 346 TFLOP/s against the
@@ -248,6 +245,10 @@ _GENERIC: dict[tuple[str, int, int], TileConfig] = {
     ("bwd_q", 256, 4): TileConfig(16, 16, 4, 1),
 }
 _TABLES: dict[tuple[int, int], dict] = {(9, 0): _SM90}
+# masked backward calls: the unmasked entries' tiles from 2048 keys (the note at "bwd_kv_ws_gluon")
+for _d in (64, 128):
+    _SM90[("bwd_kv_ws_gluon_causal", _d, 2)] = replace(_SM90[("bwd_kv_ws_gluon", _d, 2)], min_keys=2048)
+del _d
 _TABLE = _SM90  # the measured table (tests and tools read it)
 _INTERPRETER = TileConfig(16, 16, 1, 1)
 KINDS = ("fwd", "fwd_causal", "fwd_decode", "fwd_gluon", "fwd_gluon_causal", "fwd_long_gluon", "fwd_long_gluon_causal",
@@ -385,7 +386,7 @@ def _gluon_config(head_dim: int, elem_size: int, causal: bool, arch: tuple[int, 
     if any(key in source for source in (_overrides, _from_env) for key in base_keys):
         return None
     keys = [(kind + "_gluon", bucket, elem_size)]
-    if causal and (base == "fwd" or kind == "bwd_kv_ws"):
+    if causal:  # (a "_causal" entry where the table has one: the forward's, "bwd_kv_ws")
         keys.insert(0, (kind + "_gluon_causal", bucket, elem_size))
     return _lookup(keys, arch)
 
