@@ -465,3 +465,43 @@ def test_register_operand_ws_backward_is_for_d64_only():
     assert not gluon_attention.bwd_tiles_fit("bwd_kv", rs, 128)
     assert gluon_attention.bwd_tiles_fit("bwd_kv", TileConfig(64, 128, 4, 2, gluon=True, consumers=2, fused_dq=True,
                                                               shared_dq=True), 128)
+
+
+@pytest.mark.parametrize("programs", [0, 5])
+def test_persistent_forward_launch(programs, monkeypatch):
+    """The persistent forward (TileConfig.persistent): one program a multiprocessor (132 off a GPU)
+    or `_PROGRAMS`, never more than the grid's items; the kernel gets the grid's heads (B * Hq) to
+    number them; the non-persistent kernel keeps its 2-D grid.  Its shared memory adds one o tile a
+    consumer (D = 256's no longer fits)."""
+    launches = []
+
+    class Rec:
+        def launch(self, kernel, grid, *args, **kw):
+            launches.append((kernel, grid, args, kw))
+
+        def fresh(self, fn, *a, **kw):
+            return fn(*a, **kw)
+
+    monkeypatch.setattr(gluon_attention, "_PROGRAMS", programs)
+    monkeypatch.setattr(gluon_attention, "_persistent_kernel", lambda: "persistent")
+    monkeypatch.setattr(gluon_attention, "_ws_kernel", lambda: "ws")
+    pers = TileConfig(128, 128, 4, 2, gluon=True, consumers=2, pingpong=True, persistent=True)
+    plain = replace(pers, persistent=False)
+    for B, S, H in ((1, 300, 2), (4, 4096, 8)):
+        q = torch.empty(B, S, H, 128, dtype=torch.bfloat16)
+        items = -(-S // 128) * B * H
+        for cfg in (pers, plain):
+            launches.clear()
+            gluon_attention.attention_forward(q, q, q, _params(window_right=0), cfg, rec=Rec())
+            (kernel, grid, args, kw), = launches
+            if cfg.persistent:
+                assert kernel == "persistent" and grid == (min(items, programs or 132),)
+                assert args[-1] == B * H and kw["PINGPONG"] and kw["num_warps"] == 4
+            else:
+                assert kernel == "ws" and grid == (-(-S // 128), B * H)
+    assert gluon_attention.ws_shared_bytes(pers, 128) == gluon_attention.ws_shared_bytes(plain, 128) + 2 * 2 * 64 * 128
+    # the compiled kernel's (tools/sm90_compile_check.py: 197,080 B at D = 128, 2 + 2 stages)
+    assert 197080 <= gluon_attention.ws_shared_bytes(pers, 128) <= 232448
+    q = torch.empty(1, 256, 2, 256, dtype=torch.bfloat16)
+    wide = TileConfig(128, 64, 4, 2, gluon=True, consumers=2, persistent=True)
+    assert "shared memory" in gluon_attention.forward_reason(q, q, q, None, _params(), wide, (9, 0))

@@ -34,7 +34,19 @@ FWD_VARIANTS = {
     # half or all of the interior tiles' exponentials on the FMA pipes (`rounding.exp2_split`)
     "64x128-poly1": TC(64, 128, 4, 2, gluon=True, poly_exp2=1),
     "64x64-poly2": TC(64, 64, 4, 2, gluon=True, poly_exp2=2),
+    # the persistent forward, run by 3 programs (`PERSISTENT_PROGRAMS`): each runs many items, so
+    # ring indices, barrier phases and ping-pong turns carry over from item to item
+    "ws-n128-s2-pingpong-persistent": TC(128, 128, 4, 2, gluon=True, consumers=2, pingpong=True, persistent=True),
+    "ws-n64-s3-pingpong-persistent": TC(128, 64, 4, 3, gluon=True, consumers=2, pingpong=True, persistent=True),
+    "ws-n128-s2-persistent": TC(128, 128, 4, 2, gluon=True, consumers=2, persistent=True),
 }
+PERSISTENT_PROGRAMS = 3
+
+
+def few_programs(cfg, monkeypatch):
+    """A persistent config's grid of PERSISTENT_PROGRAMS programs (others: nothing to do)."""
+    if cfg is not None and cfg.persistent:
+        monkeypatch.setattr(gluon_attention, "_PROGRAMS", PERSISTENT_PROGRAMS)
 
 
 def set_forward_tiles(cfg):
@@ -47,6 +59,7 @@ def set_forward_tiles(cfg):
 def gluon_calls(request, monkeypatch):
     """Forward configs that ask for the Gluon kernel (FWD_VARIANTS); yields the list of its calls."""
     set_forward_tiles(FWD_VARIANTS[request.param])
+    few_programs(FWD_VARIANTS[request.param], monkeypatch)
     calls = []
     real = gluon_attention.attention_forward
 
@@ -253,7 +266,8 @@ def test_d256_backward_against_reference(c, dtype, gluon_bwd_calls_256):
 # Three consumers (the warp-specialized forward's 192-row programs, D = 64 only): every D = 64 case
 # above, plain, causal, windows, softcap, ALiBi, GQA, offsets, empty rows, one partial tile
 WS3_VARIANTS = {"ws3-n64-s3": TC(192, 64, 4, 3, gluon=True, consumers=3),
-                "ws3-n128-s2": TC(192, 128, 4, 2, gluon=True, consumers=3)}
+                "ws3-n128-s2": TC(192, 128, 4, 2, gluon=True, consumers=3),
+                "ws3-n128-s2-persistent": TC(192, 128, 4, 2, gluon=True, consumers=3, persistent=True)}
 D64_CASES = [p for p in CASES + WINDOW_CASES + MOD_CASES if p.values[0].D == 64]
 
 
@@ -263,6 +277,7 @@ def test_three_consumers_against_reference(c, dtype, variant, monkeypatch):
     calls = []
     real = gluon_attention.attention_forward
     monkeypatch.setattr(gluon_attention, "attention_forward", lambda q, *a, **kw: calls.append(q.shape) or real(q, *a, **kw))
+    few_programs(WS3_VARIANTS[variant], monkeypatch)
     for kind in ("fwd", "fwd_causal"):
         configs.set_config(kind, 64, 2, WS3_VARIANTS[variant])
     try:
@@ -691,11 +706,13 @@ def test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies):
         assert err <= 2e-2 * max(1.0, scale), f"{name}: max error {err:.3e} (scale {scale:.2e})"
 
 
-@pytest.mark.parametrize("variant", ["ws-n128-s2", "ws-n64-s3-pingpong"])
+@pytest.mark.parametrize("variant", ["ws-n128-s2", "ws-n64-s3-pingpong", "ws-n128-s2-pingpong-persistent"])
 @pytest.mark.parametrize("shape, kw, dtype", [p for p in VARLEN_CASES if p.values[0]["D"] <= 128])
-def test_varlen_warp_specialized_forward(variant, shape, kw, dtype, gluon_spies):
+def test_varlen_warp_specialized_forward(variant, shape, kw, dtype, gluon_spies, monkeypatch):
     """Packed batches through the warp-specialized forward (each program's two halves may fall
-    on either side of a sequence's end), the table's backward on its o and lse."""
+    on either side of a sequence's end; persistent: a program's items in several sequences), the
+    table's backward on its o and lse."""
+    few_programs(FWD_VARIANTS[variant], monkeypatch)
     set_forward_tiles(FWD_VARIANTS[variant])
     try:
         test_varlen_against_each_sequence_alone(shape, kw, dtype, gluon_spies)
@@ -705,9 +722,10 @@ def test_varlen_warp_specialized_forward(variant, shape, kw, dtype, gluon_spies)
 
 @pytest.mark.parametrize("variant", list(WS3_VARIANTS))
 @pytest.mark.parametrize("shape, kw, dtype", [p for p in VARLEN_CASES if p.values[0]["D"] == 64])
-def test_varlen_three_consumers(variant, shape, kw, dtype, gluon_spies):
+def test_varlen_three_consumers(variant, shape, kw, dtype, gluon_spies, monkeypatch):
     """Packed batches through the three-consumer forward (a program's 192 rows may span a
     sequence's end anywhere), the table's backward on its o and lse."""
+    few_programs(WS3_VARIANTS[variant], monkeypatch)
     for kind in ("fwd", "fwd_causal"):
         configs.set_config(kind, 64, 2, WS3_VARIANTS[variant])
     try:

@@ -232,6 +232,8 @@ def record_launches(log: list) -> None:
         gluon_launcher._kernel = lambda: (Recorder(gluon[0], log), *gluon[1:])
         ws = _KERNELS.setdefault("gluon_ws", gluon_launcher._ws_kernel())
         gluon_launcher._ws_kernel = lambda: Recorder(ws, log)
+        pers = _KERNELS.setdefault("gluon_persistent", gluon_launcher._persistent_kernel())
+        gluon_launcher._persistent_kernel = lambda: Recorder(pers, log)
         ws_dq = _KERNELS.setdefault("gluon_ws_dq", gluon_launcher._ws_dq_kernel())
         gluon_launcher._ws_dq_kernel = lambda: Recorder(ws_dq, log)
         ws_kv = _KERNELS.setdefault("gluon_ws_dkdv", gluon_launcher._ws_dkdv_kernel())
@@ -482,6 +484,11 @@ WS_VARIANTS = {
     "ws3-n128-s2": dict(block_m=192, block_n=128, num_stages=2, num_warps=4, gluon=True, consumers=3),
     "ws3-n64-s3-poly1": dict(block_m=192, block_n=64, num_stages=3, num_warps=4, gluon=True, consumers=3,
                              poly_exp2=1),
+    # the persistent forward (one program an SM running several items): the table's D = 128 and
+    # D = 64 long-call shapes
+    "ws-n128-s2-pingpong-persistent": dict(block_n=128, num_stages=2, pingpong=True, persistent=True, **_WS),
+    "ws3-n128-s2-persistent": dict(block_m=192, block_n=128, num_stages=2, num_warps=4, gluon=True, consumers=3,
+                                   persistent=True),
 }
 
 

@@ -59,6 +59,26 @@ def _ws_kernel():
 
 
 @functools.lru_cache(maxsize=None)
+def _persistent_kernel():
+    from .attention_fwd_persistent_sm90 import attn_fwd_persistent_sm90_kernel
+    return attn_fwd_persistent_sm90_kernel
+
+
+# programs of a persistent grid: 0, one a multiprocessor (at most one item each); else this many.
+# A test knob: a few programs, each running many items, check that ring indices, barrier phases
+# and the ping-pong turns carry over from item to item (tests/test_gluon_sm90.py)
+_PROGRAMS = int(os.environ.get("FLASHFORGE_PERSISTENT_PROGRAMS", "0"))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    """Multiprocessors of `device` (a persistent grid's programs); off a GPU (the offline compile
+    check), an H100 / H200's 132."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _ws_dkdv_kernel():
     from .attention_bwd_dkdv_ws_sm90 import attn_bwd_dkdv_ws_sm90_kernel
     return attn_bwd_dkdv_ws_sm90_kernel
@@ -88,8 +108,10 @@ _SMEM_SM90 = 232448  # bytes of shared memory a block may opt into on sm_90
 def ws_shared_bytes(cfg, D: int, resident: int = 1) -> int:
     """A warp-specialized kernel's shared memory (16-bit tiles): each consumer's `resident` 64-row
     tiles (the forward: Q, o's staging too; the dQ kernel: Q and dO), the K and V rings, and 1 KB
-    for the barriers and alignment (the compiled kernels use 120-472 B)."""
+    for the barriers and alignment (the compiled kernels use 120-472 B).  The persistent forward
+    stages o in a tile of its own."""
     v_stages = cfg.v_stages or max(2, cfg.num_stages)
+    resident += 1 if getattr(cfg, "persistent", False) else 0
     return 2 * (cfg.consumers * resident * 64 * D + (max(2, cfg.num_stages) + v_stages) * cfg.block_n * D) + 1024
 
 
@@ -285,8 +307,13 @@ def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None,
     if ws:
         regs = _WS3_REGS if cfg.consumers == 3 else _WS_REGS
         nc = dict(NC=3) if cfg.consumers == 3 else {}  # (the kernel's default: two)
-        rec.launch(_ws_kernel(), grid, *args, **common, **poly, PINGPONG=cfg.pingpong, CONSUMER_REGS=regs[0],
-                   LOADER_REGS=regs[1], num_warps=4, **nc)
+        if cfg.persistent:  # one program an SM at most, each running grid's items p, p + P, ...
+            programs = min(grid[0] * grid[1], _PROGRAMS or _sm_count(q.device))
+            rec.launch(_persistent_kernel(), (programs,), *args, grid[1], **common, **poly, PINGPONG=cfg.pingpong,
+                       CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4, **nc)
+        else:
+            rec.launch(_ws_kernel(), grid, *args, **common, **poly, PINGPONG=cfg.pingpong, CONSUMER_REGS=regs[0],
+                       LOADER_REGS=regs[1], num_warps=4, **nc)
     else:
         rec.launch(kernel, grid, *args, **common, **poly, BLOCK_M=cfg.block_m, Q_IN_REGS=_Q_IN_REGS,
                    num_warps=cfg.num_warps)

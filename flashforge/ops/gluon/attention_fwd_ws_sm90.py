@@ -39,14 +39,24 @@ from .ws_pipeline import (HALF, consumer_tiles, fill, release_tiles, turn_pass, 
 
 
 @gluon.jit
-def _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h,
-              m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off,
-              ME: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-              HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-              V_STAGES: gl.constexpr, VARLEN: gl.constexpr, STORE_LO: gl.constexpr, PINGPONG: gl.constexpr,
-              POLY_EXP2: gl.constexpr):
-    """Query rows m0 + ME * 64 + [0, 64): the online softmax over their key tiles, then o and lse
-    (POLY_EXP2: `attention_fwd_sm90.softmax_tile`'s, for the tiles after the first)."""
+def consume_tile(o_desc, LSE, LSE_LO, q_smem, o_smem, k_ring, v_ring, q_bar, q_phase, q_empty, k_ready, k_empty,
+                 v_ready, v_empty, turn, base, t0, b, h, m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse,
+                 qk_scale, scale, softcap, slope, alibi_off, ME: gl.constexpr, CAUSAL: gl.constexpr,
+                 HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                 D: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr,
+                 STORE_LO: gl.constexpr, PINGPONG: gl.constexpr, POLY_EXP2: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Query rows m0 + ME * 64 + [0, 64) of one work item: the online softmax over their key
+    tiles, then o (staged in o_smem) and lse (POLY_EXP2: `attention_fwd_sm90.softmax_tile`'s, for
+    the tiles after the first).  The item's union of key tiles is ring indices [base, base +
+    u_tiles); its Q lands on q_bar's phase q_phase.
+
+    PERSISTENT (a program runs several items, `attention_fwd_persistent_sm90`): Q's slot is handed
+    back on q_empty once the last S product has read it, so the loader fetches the next item's Q
+    while this one finishes; o is staged in a buffer of its own, whose previous store is awaited
+    only when it is rewritten; and the ping-pong turns strictly alternate across items -- both
+    consumers take max(their issues) turns an item (the one with fewer passes its spare turns
+    after its epilogue), counted from t0 -- so neither runs two phases ahead of the other on a
+    turn barrier.  Returns the turns this item took (PERSISTENT; else 0)."""
     dtype: gl.constexpr = o_desc.dtype
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -58,19 +68,25 @@ def _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_emp
 
     mc, n_lo, n_tiles, n_lfull, n_full, first, n_other = consumer_tiles(m0, Sq, Sk, offset, span, u_lo, u_tiles, ME,
                                                                         BLOCK_N, CAUSAL, HAS_WL, PINGPONG)
-    release_tiles(k_ready, k_empty, v_ready, v_empty, 0, first, STAGES, V_STAGES)
+    n_turns = 0
+    if PERSISTENT:
+        n_own = gl.where(n_tiles > 0, n_tiles + 1, 0)
+        n_turns = gl.maximum(n_own, n_other)
+        n_other = n_turns + t0  # every turn of the item waits (`turn_wait`'s bound), counted from t0
+    first = base + first  # ring indices from here on
+    release_tiles(k_ready, k_empty, v_ready, v_empty, base, first, STAGES, V_STAGES)
 
     o_m = mc + gl.arange(0, HALF, layout=row_s)
     m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([HALF], gl.float32, layout=row_s)
     acc = gl.zeros([HALF, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     q = q_smem.reshape([HALF, D])
 
     if n_tiles > 0:
         wait(k_ready, first, STAGES)
-        turn_wait(turn, 0, n_other, ME, PINGPONG)
+        turn_wait(turn, t0, n_other, ME, PINGPONG)
         s = warpgroup_mma(q, slot(k_ring, first, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
         turn_pass(turn, ME, PINGPONG)
@@ -85,7 +101,7 @@ def _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_emp
             r = first + j
             wait(k_ready, r, STAGES)
             wait(v_ready, r - 1, V_STAGES)
-            turn_wait(turn, j, n_other, ME, PINGPONG)
+            turn_wait(turn, t0 + j, n_other, ME, PINGPONG)
             s = warpgroup_mma(q, slot(k_ring, r, BLOCK_N, D, STAGES).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
             acc = warpgroup_mma(p, slot(v_ring, r - 1, BLOCK_N, D, V_STAGES), acc, is_async=True)
@@ -100,20 +116,47 @@ def _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_emp
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p = gl.convert_layout(p_new.to(dtype), p_layout)
 
+        if PERSISTENT:  # every S product has read Q (each was waited for)
+            mbarrier.arrive(q_empty, count=1)
         last = first + n_tiles - 1
         wait(v_ready, last, V_STAGES)
-        turn_wait(turn, n_tiles, n_other, ME, PINGPONG)
+        turn_wait(turn, t0 + n_tiles, n_other, ME, PINGPONG)
         acc = warpgroup_mma(p, slot(v_ring, last, BLOCK_N, D, V_STAGES), acc, is_async=True)
         turn_pass(turn, ME, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(last % V_STAGES), count=1)
+    elif PERSISTENT:
+        mbarrier.arrive(q_empty, count=1)
 
     acc = finish_rows(acc, m_i, l_i, LSE, LSE_LO, row_lse, o_m, Sq, row_o, STORE_LO)
-    q_smem.reshape([HALF, D]).store(acc.to(dtype))  # this half's Q is read no more
+    if PERSISTENT:
+        tma.store_wait(0)  # the previous item's o has left o_smem
+    o_smem.reshape([HALF, D]).store(acc.to(dtype))  # (not PERSISTENT: o_smem is this half's Q, read no more)
     fence_async_shared()
-    copy_out(o_desc, b, mc, h, q_start, Sq, q_smem, VARLEN)
-    release_tiles(k_ready, k_empty, v_ready, v_empty, first + n_tiles, u_tiles, STAGES, V_STAGES)
-    tma.store_wait(0)
+    copy_out(o_desc, b, mc, h, q_start, Sq, o_smem, VARLEN)
+    release_tiles(k_ready, k_empty, v_ready, v_empty, first + n_tiles, base + u_tiles, STAGES, V_STAGES)
+    if PERSISTENT:
+        if PINGPONG:  # the spare turns: the other consumer's issues go on alternating with these
+            for i in range(n_own, n_turns):
+                turn_wait(turn, t0 + i, n_other, ME, PINGPONG)
+                turn_pass(turn, ME, PINGPONG)
+    else:
+        tma.store_wait(0)
+    return n_turns
+
+
+@gluon.jit
+def _consumer(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h,
+              m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off,
+              ME: gl.constexpr, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+              HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+              V_STAGES: gl.constexpr, VARLEN: gl.constexpr, STORE_LO: gl.constexpr, PINGPONG: gl.constexpr,
+              POLY_EXP2: gl.constexpr):
+    """The program's one work item (`consume_tile`): o staged in this half's Q buffer."""
+    consume_tile(o_desc, LSE, LSE_LO, q_smem, q_smem, k_ring, v_ring, q_bar, 0, q_bar, k_ready, k_empty, v_ready,
+                 v_empty, turn, 0, 0, b, h, m0, q_start, Sq, Sk, offset, span, u_lo, u_tiles, row_lse, qk_scale,
+                 scale, softcap, slope, alibi_off, ME, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES,
+                 V_STAGES, VARLEN, STORE_LO, PINGPONG, POLY_EXP2, False)
 
 
 @gluon.jit
@@ -142,21 +185,35 @@ def _consumer2(o_desc, LSE, LSE_LO, q_smem, k_ring, v_ring, q_bar, k_ready, k_em
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_all, k_ring, v_ring, q_bars, k_ready, k_empty, v_ready, v_empty, b, h, hk, m0,
-            q_start, Sq, k_start, Sk, u_lo, u_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            V_STAGES: gl.constexpr, VARLEN: gl.constexpr, NC: gl.constexpr):
-    """Each consumer's Q, then the union's key tiles, K_r before V_{r-1}: the order the consumers
-    read them in, so a copy waiting for its slot never holds back one a consumer needs first.  A
-    slot is refilled once every consumer has released it (empty barriers start complete)."""
+def load_tile(q_desc, k_desc, v_desc, q_all, k_ring, v_ring, q_bars, q_empty, q_phase, k_ready, k_empty, v_ready,
+              v_empty, base, b, h, hk, m0, q_start, Sq, k_start, Sk, u_lo, u_tiles, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, V_STAGES: gl.constexpr, VARLEN: gl.constexpr, NC: gl.constexpr,
+              PERSISTENT: gl.constexpr):
+    """One work item's copies: each consumer's Q (PERSISTENT: once the consumer has handed its
+    slot back, q_empty's phase q_phase ^ 1), then the union's key tiles into ring indices [base,
+    base + u_tiles), K_r before V_{r-1}: the order the consumers read them in, so a copy waiting
+    for its slot never holds back one a consumer needs first.  A slot is refilled once every
+    consumer has released it (empty barriers start complete)."""
     for i in gl.static_range(NC):
+        if PERSISTENT:
+            mbarrier.wait(q_empty.index(i), q_phase ^ 1)
         mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
         copy_in(q_desc, b, m0 + i * HALF, h, q_start, Sq, q_bars.index(i), q_all.index(i), True, VARLEN)
     for r in range(0, u_tiles + 1):
         if r < u_tiles:
-            fill(k_desc, k_ring, k_ready, k_empty, r, (u_lo + r) * BLOCK_N, b, hk, k_start, Sk, STAGES, VARLEN)
+            fill(k_desc, k_ring, k_ready, k_empty, base + r, (u_lo + r) * BLOCK_N, b, hk, k_start, Sk, STAGES, VARLEN)
         if r > 0:
-            fill(v_desc, v_ring, v_ready, v_empty, r - 1, (u_lo + r - 1) * BLOCK_N, b, hk, k_start, Sk, V_STAGES,
-                 VARLEN)
+            fill(v_desc, v_ring, v_ready, v_empty, base + r - 1, (u_lo + r - 1) * BLOCK_N, b, hk, k_start, Sk,
+                 V_STAGES, VARLEN)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_all, k_ring, v_ring, q_bars, k_ready, k_empty, v_ready, v_empty, b, h, hk, m0,
+            q_start, Sq, k_start, Sk, u_lo, u_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            V_STAGES: gl.constexpr, VARLEN: gl.constexpr, NC: gl.constexpr):
+    """The program's one work item (`load_tile`)."""
+    load_tile(q_desc, k_desc, v_desc, q_all, k_ring, v_ring, q_bars, q_bars, 0, k_ready, k_empty, v_ready, v_empty, 0,
+              b, h, hk, m0, q_start, Sq, k_start, Sk, u_lo, u_tiles, BLOCK_N, STAGES, V_STAGES, VARLEN, NC, False)
 
 
 @gluon.jit

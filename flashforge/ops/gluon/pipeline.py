@@ -192,7 +192,7 @@ def invalidate_barriers(bars, N: gl.constexpr):
 
 
 @gluon.jit
-def program_order(head_bytes, CAUSAL: gl.constexpr):
+def program_order(head_bytes, CAUSAL: gl.constexpr, tile=None, grid_blk=None, grid_bh=None):
     """(block, bh) of this program in a grid (blocks, heads) whose block 0 is each head's longest
     (a causal mask's: the last query block, the first key block).
 
@@ -206,12 +206,21 @@ def program_order(head_bytes, CAUSAL: gl.constexpr):
     each section of `sect` heads -- as many as one wave of programs (WAVE) holds and their streamed
     inputs (head_bytes each, int64) fit in L2_SECTION -- block 0 of every head, then block 1, ...; the
     model puts that within 1-2% of longest-first.  (Measured: L2_SECTION's note.)  Without
-    CAUSAL (equal programs) or with L2_SECTION = 0, the grid's own order."""
-    blk = gl.program_id(0)
-    bh = gl.program_id(1)
-    if CAUSAL and L2_SECTION > 0:
+    CAUSAL (equal programs) or with L2_SECTION = 0, the grid's own order.
+
+    tile (a persistent program's work item, int32): the position of grid (grid_blk, grid_bh)'s
+    program tile in its linear order, instead of this program's own."""
+    if tile is None:
+        blk = gl.program_id(0)
+        bh = gl.program_id(1)
         n_blk = gl.num_programs(0)
         n_bh = gl.num_programs(1)
+    else:
+        n_blk = grid_blk
+        n_bh = grid_bh
+        bh = tile // n_blk
+        blk = tile - bh * n_blk
+    if CAUSAL and L2_SECTION > 0:
         # as many heads as one wave of programs holds (the next section's longest then fill the
         # wave's tail), at least one, no more than L2_SECTION's bytes hold.  (RESULTS.md v0.9.10:
         # sections one head past a wave -- 5 x 32 and 17 x 8 blocks -- read 3-4% under 4 x 32 and
@@ -230,13 +239,14 @@ def program_order(head_bytes, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def query_block(Sq, Sk, Hq, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, D: gl.constexpr):
+def query_block(Sq, Sk, Hq, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, D: gl.constexpr, tile=None,
+                grid_bh=None):
     """(b, h, hk, m0) of this program: grid (query blocks of the longest sequence, B * Hq) in
     `program_order`; with a causal mask the longest rows run first, so the short ones fill the
-    tail of the wave."""
+    tail of the wave.  tile: a persistent program's work item instead (grid_bh = B * Hq)."""
     n_m = gl.cdiv(Sq, BLOCK_M)
     # a program streams K and V (16-bit) of its KV head, which the group's heads share
-    pid, bh = program_order(gl.to_tensor(Sk).to(gl.int64) * (4 * D) // group, CAUSAL)
+    pid, bh = program_order(gl.to_tensor(Sk).to(gl.int64) * (4 * D) // group, CAUSAL, tile, n_m, grid_bh)
     if CAUSAL:
         pid = n_m - 1 - pid
     b = bh // Hq
@@ -248,13 +258,13 @@ def query_block(Sq, Sk, Hq, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, 
 @gluon.jit
 def query_program(Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, right, SLOPES,
                   stride_sb, stride_sh, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                  VARLEN: gl.constexpr, D: gl.constexpr):
+                  VARLEN: gl.constexpr, D: gl.constexpr, tile=None, grid_bh=None):
     """(kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope) of a program over
     query rows (the forward's, the dQ kernel's): `query_block`, then `sequence` (packed: this
     sequence's rows and lengths; Sq, Sk, offset become its own); kv_row is the dK/dV kernel's
     grid row of this (b, hk) (`key_program`), before `sequence` maps b; ALiBi's slope of head h and the
-    distance offset (`scores.modified_score`)."""
-    b, h, hk, m0 = query_block(Sq, Sk, Hq, group, BLOCK_M, CAUSAL, D)
+    distance offset (`scores.modified_score`).  tile, grid_bh: `query_block`'s."""
+    b, h, hk, m0 = query_block(Sq, Sk, Hq, group, BLOCK_M, CAUSAL, D, tile, grid_bh)
     kv_row = b * (Hq // group) + hk
     b, q_start, Sq, k_start, Sk, offset = sequence(CU_Q, CU_K, ORDER, b, Sq, Sk, total_q, total_k, offset,
                                                    bottom_right, VARLEN)

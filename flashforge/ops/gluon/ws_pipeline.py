@@ -19,15 +19,15 @@ HALF = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma tall)
 def ws_program(Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES,
                stride_sb, stride_sh, stride_lb, stride_lh, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                HAS_WL: gl.constexpr, HAS_ALIBI: gl.constexpr, VARLEN: gl.constexpr, D: gl.constexpr,
-               NC: gl.constexpr = 2):
+               NC: gl.constexpr = 2, tile=None, grid_bh=None):
     """(kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope, u_lo, u_tiles, row) of
     this program's NC * 64 query rows: `query_block` and `sequence` as the one-warpgroup kernels
     use them; kv_row, the dK/dV kernel's program row of this (b, hk) before `sequence` maps b;
     the union of the consumers' key tiles [u_lo, u_lo + u_tiles); row, where this head's lse rows
-    start."""
+    start.  tile, grid_bh: a persistent program's work item (`query_block`)."""
     kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope = query_program(
         Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, right, SLOPES, stride_sb,
-        stride_sh, NC * HALF, CAUSAL, HAS_ALIBI, VARLEN, D)
+        stride_sh, NC * HALF, CAUSAL, HAS_ALIBI, VARLEN, D, tile, grid_bh)
     u_lo, u_tiles, _, _ = key_window(m0, Sq, Sk, offset, span, NC * HALF, BLOCK_N, CAUSAL, HAS_WL)
     u_tiles = gl.maximum(u_tiles, 0)
     row = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
