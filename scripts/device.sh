@@ -17,8 +17,8 @@
 # print); each gets what is left less FF_RESERVE seconds (default 150) for every part after it, at most
 # its cap: FF_TEST_LIMIT (default 300), FF_BENCH_LIMIT (330), FF_COMPARE_LIMIT (360).  FF_TEST_WORKERS=N
 # spreads the tests over N pytest-xdist processes (default: one); FF_PYTEST_ARGS are added to pytest's
-# arguments (e.g. a --deselect), with the default file list or without.  FF_TEST_SHARD=1, 2 or 3 runs one
-# part of the default file list (three calls for the whole suite; on 14 workers
+# arguments (e.g. a --deselect), with the default file list or without.  FF_TEST_SHARD=1, 2, 3 or 4 runs one
+# part of the default file list (four calls for the whole suite; 4 is test_gluon_sm90.py's backward; on 14 workers
 # the second took 293 s and the third's files 86 s at v0.9.3; the first and third together 407 s at v0.9.4).
 # Prints the pytest summary, the benchmark tables and one status line per part last; exits non-zero if
 # a part fails or runs out of time.
@@ -64,7 +64,22 @@ echo "FA4: ${FA4_PATH:+staged at $FA4_SITE}${FA4_PATH:-not staged ($FA4_SITE mis
 # every file with tests that run on CUDA, in three parts that each fit one call on 14 workers
 # (v0.9.3, plans on, cold compile cache: test_gluon_sm90 with test_launch / test_configs ran past
 # 370 s with the other files of the old first half; those others took 86 s, the second part 293 s)
-SHARD1=(tests/test_gluon_sm90.py tests/test_configs.py tests/test_launch.py)
+# test_gluon_sm90.py's forward tests (shard 1) and backward tests (shard 4), by function: the whole
+# file (1184 tests with the persistent forward's) ran past a call's limit on 14 workers (RESULTS.md
+# v0.9.11: 861 reported in 336 s).  tests/test_device_script.py checks that each function is in one.
+GLUON_FWD=(test_against_reference test_window_against_reference test_modifiers_against_reference
+    test_d256_against_reference test_three_consumers_against_reference test_table_long_d64_forward_takes_three_consumers
+    test_three_consumers_refused_past_d64_take_the_portable_kernel test_out_of_scope_takes_portable_kernel
+    test_matches_portable_kernel test_varlen_warp_specialized_forward test_varlen_three_consumers
+    test_causal_sections_with_a_partial_last_one)
+GLUON_BWD=(test_d256_backward_against_reference test_backward_against_reference
+    test_backward_far_negative_scores_with_keys_past_the_tile test_wide_backward_far_negative_scores_with_keys_past_the_tile
+    test_deterministic_backward_is_bitwise_and_unfused test_table_long_backward_takes_the_ws_kernel
+    test_training_steps_from_launch_plans_match_the_launchers test_backward_out_of_scope_takes_portable_kernels
+    test_backward_matches_portable_kernels test_delta_comes_from_the_dq_kernel test_varlen_against_each_sequence_alone
+    test_varlen_wide_dkdv test_wide_deterministic_takes_the_ordered_kernels test_varlen_warp_specialized_dq)
+SHARD1=("${GLUON_FWD[@]/#/tests/test_gluon_sm90.py::}" tests/test_configs.py tests/test_launch.py)
+SHARD4=("${GLUON_BWD[@]/#/tests/test_gluon_sm90.py::}")
 SHARD2=(tests/test_extreme_logits.py tests/test_safety.py tests/test_transformers.py tests/test_fused_bwd.py
     tests/test_compile.py tests/test_tma.py tests/test_kvcache.py tests/test_dropout.py tests/test_rope.py
     tests/test_interfaces.py tests/test_distributed.py tests/test_poly_exp2.py tests/test_properties.py
@@ -75,8 +90,9 @@ if [ "$#" -eq 0 ]; then
         1) set -- "${SHARD1[@]}" ;;
         2) set -- "${SHARD2[@]}" ;;
         3) set -- "${SHARD3[@]}" ;;
-        "") set -- "${SHARD1[@]}" "${SHARD2[@]}" "${SHARD3[@]}" ;;
-        *) echo "FF_TEST_SHARD=${FF_TEST_SHARD}: 1, 2 or 3 (or unset: all three)" >&2; exit 2 ;;
+        4) set -- "${SHARD4[@]}" ;;
+        "") set -- "${SHARD1[@]}" "${SHARD2[@]}" "${SHARD3[@]}" "${SHARD4[@]}" ;;
+        *) echo "FF_TEST_SHARD=${FF_TEST_SHARD}: 1, 2, 3 or 4 (or unset: all four)" >&2; exit 2 ;;
     esac
 fi
 # shellcheck disable=SC2206  # word-split on purpose: several arguments in one variable

@@ -1,0 +1,40 @@
+"""scripts/device.sh's test shards: together they run every test function of the GPU files they
+name, each once (a function left out of both of test_gluon_sm90.py's lists would never run on the
+device; one in both would run twice)."""
+import ast
+import os
+import re
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _bash_array(text: str, name: str) -> list[str]:
+    m = re.search(rf"^{name}=\((.*?)\)", text, re.S | re.M)
+    assert m, f"{name}=(...) not found in scripts/device.sh"
+    return m.group(1).split()
+
+
+def _test_functions(path: str) -> set[str]:
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read())
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+
+
+def test_gluon_shards_split_the_file_by_function():
+    with open(os.path.join(ROOT, "scripts", "device.sh")) as f:
+        text = f.read()
+    fwd, bwd = _bash_array(text, "GLUON_FWD"), _bash_array(text, "GLUON_BWD")
+    assert len(fwd) == len(set(fwd)) and len(bwd) == len(set(bwd))
+    assert not set(fwd) & set(bwd), set(fwd) & set(bwd)
+    assert set(fwd) | set(bwd) == _test_functions("tests/test_gluon_sm90.py")
+
+
+def test_shard_files_exist():
+    with open(os.path.join(ROOT, "scripts", "device.sh")) as f:
+        text = f.read()
+    for name in ("SHARD2", "SHARD3"):
+        for item in _bash_array(text, name):
+            path, _, func = item.partition("::")
+            assert os.path.isfile(os.path.join(ROOT, path)), item
+            if func:
+                assert func in _test_functions(path), item
