@@ -469,10 +469,10 @@ def test_register_operand_ws_backward_is_for_d64_only():
 
 @pytest.mark.parametrize("programs", [0, 5])
 def test_persistent_forward_launch(programs, monkeypatch):
-    """The persistent forward (TileConfig.persistent): one program a multiprocessor (132 off a GPU)
-    or `_PROGRAMS`, never more than the grid's items; the kernel gets the grid's heads (B * Hq) to
-    number them; the non-persistent kernel keeps its 2-D grid.  Its shared memory adds one o tile a
-    consumer (D = 256's no longer fits)."""
+    """The persistent forward (TileConfig.persistent): `persistent_programs` (or `_PROGRAMS`), never
+    more than the grid's items; the kernel gets the grid's heads (B * Hq) to number them; the
+    non-persistent kernel keeps its 2-D grid.  Its shared memory adds one o tile a consumer
+    (D = 256's no longer fits)."""
     launches = []
 
     class Rec:
@@ -495,7 +495,8 @@ def test_persistent_forward_launch(programs, monkeypatch):
             gluon_attention.attention_forward(q, q, q, _params(window_right=0), cfg, rec=Rec())
             (kernel, grid, args, kw), = launches
             if cfg.persistent:
-                assert kernel == "persistent" and grid == (min(items, programs or 132),)
+                want = programs or gluon_attention.persistent_programs((-(-S // 128), B * H), S * 4 * 128, True, 132)
+                assert kernel == "persistent" and grid == (min(items, want),)
                 assert args[-1] == B * H and kw["PINGPONG"] and kw["num_warps"] == 4
             else:
                 assert kernel == "ws" and grid == (-(-S // 128), B * H)
@@ -505,3 +506,21 @@ def test_persistent_forward_launch(programs, monkeypatch):
     q = torch.empty(1, 256, 2, 256, dtype=torch.bfloat16)
     wide = TileConfig(128, 64, 4, 2, gluon=True, consumers=2, persistent=True)
     assert "shared memory" in gluon_attention.forward_reason(q, q, q, None, _params(), wide, (9, 0))
+
+
+def test_persistent_programs_are_one_causal_section():
+    """A causal persistent forward runs one L2 section's items a round (`pipeline.program_order`:
+    as many heads as one wave holds, within L2_SECTION's bytes), so that its snake-order rounds run
+    long to short and balance; without a mask, one program a multiprocessor."""
+    from flashforge.ops.gluon.pipeline import L2_SECTION, WAVE
+    if L2_SECTION.value != 32 << 20 or WAVE.value != 132:
+        pytest.skip("the section knobs are set in this environment")
+    P = gluon_attention.persistent_programs
+    assert P((32, 32), 4096 * 512, True, 132) == 128  # D = 128 4k: 4 heads of 32 blocks
+    assert P((8, 256), 1024 * 512, True, 132) == 128  # 1k: 16 heads of 8 blocks
+    assert P((128, 16), 16384 * 512, True, 132) == 128  # 16k: 1 head of 128 blocks
+    assert P((171, 8), 32768 * 256, True, 132) == 132  # more blocks than a wave: one an SM
+    assert P((3, 2), 300 * 512, True, 132) == 6  # a small grid: every item a program
+    assert P((32, 32), 4096 * 512, False, 132) == 132
+    # sections are sized for WAVE (device 0's multiprocessors): on a device with fewer, one an SM
+    assert P((32, 32), 4096 * 512, True, 114) == 114

@@ -79,6 +79,22 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def persistent_programs(grid, head_bytes: int, causal: bool, sms: int) -> int:
+    """Programs of a persistent forward over `grid` (query blocks, heads): one an SM; with a causal
+    mask, the items of one L2 section (`pipeline.program_order`: sect heads of n_blk blocks, longest
+    first) where that is at most one an SM.  Why: the programs take items in snake-order rounds
+    (attention_fwd_persistent_sm90), which balance only where each round is a whole section, long to
+    short -- a model of the standard grid's causal rows puts the longest program at 1.03x the mean
+    (four SMs idle at 128 programs) against 1.46-1.56x for rounds of one a multiprocessor."""
+    from .pipeline import L2_SECTION, WAVE
+    n_blk, n_bh = grid
+    if not causal:
+        return sms
+    l2 = L2_SECTION.value
+    sect = max(min(l2 // max(head_bytes, 1) if l2 > 0 else n_bh, WAVE.value // n_blk, n_bh), 1)
+    return sect * n_blk if sect * n_blk <= sms else sms
+
+
 def _ws_dkdv_kernel():
     from .attention_bwd_dkdv_ws_sm90 import attn_bwd_dkdv_ws_sm90_kernel
     return attn_bwd_dkdv_ws_sm90_kernel
@@ -307,8 +323,10 @@ def attention_forward(q, k, v, params: AttnParams, cfg, order=None, lse_lo=None,
     if ws:
         regs = _WS3_REGS if cfg.consumers == 3 else _WS_REGS
         nc = dict(NC=3) if cfg.consumers == 3 else {}  # (the kernel's default: two)
-        if cfg.persistent:  # one program an SM at most, each running grid's items p, p + P, ...
-            programs = min(grid[0] * grid[1], _PROGRAMS or _sm_count(q.device))
+        if cfg.persistent:  # at most one program an SM, taking the grid's items in rounds
+            programs = _PROGRAMS or persistent_programs(grid, Sk * 4 * D // (Hq // Hkv), w["CAUSAL"],
+                                                        _sm_count(q.device))
+            programs = min(grid[0] * grid[1], programs)
             rec.launch(_persistent_kernel(), (programs,), *args, grid[1], **common, **poly, PINGPONG=cfg.pingpong,
                        CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4, **nc)
         else:

@@ -1,5 +1,5 @@
 """Hopper (sm_90) attention forward in Gluon, warp-specialized and persistent: one program an
-SM, each running a strided share of the grid's work items (NC * 64 query rows of one head).
+SM, each running a share of the grid's work items (NC * 64 query rows of one head).
 
 Why (issue 18; RESULTS.md v0.9.11): a program of `attention_fwd_ws_sm90` loads its Q and first K
 tile before its consumers can start, and stores its o after they finish, with nothing else on the
@@ -11,9 +11,18 @@ current one, and o is staged in a buffer of its own, so its store overlaps the n
 products (FA3's persistent kernel and epilogue overlap; written from the design, not its code).
 
 Items are numbered as the non-persistent grid (query blocks fastest, then heads) and put through
-the same `program_order` (causal: longest-first within L2 sections of one wave); program p runs
-items p, p + P, p + 2P, ... with P programs, one an SM, so each round of P items is what one wave
-of the non-persistent grid would start.
+the same `program_order` (causal: longest-first within L2 sections of at most one wave).  P
+programs take them in rounds of P, in snake order: round k gives program p item k P + p for even k,
+k P + P - 1 - p for odd k.  With a causal mask P is one section's items (`attention.
+persistent_programs`: 128 of 132 SMs on the standard grid), so that each round runs long to short
+and the snake pairs a long item with a short one, round after round; otherwise one program an SM.
+Why not p, p + P, ... over every SM: a round would then hold a section and a part of the next, and
+program 0 would get the longest item of every round, program P - 1 the shortest (at 4k keys, 32
+times less work).  A model of the standard grid's causal rows (benchmarks/profile/
+persistent_balance.py) puts the busiest program at 1.03x the mean work of 132 SMs this way, 1.46-1.56x
+striding over 132, and 1.00-1.02x for the hardware's dynamic start order, which balances the
+non-persistent grid (FA3 takes items from an atomic counter: a dynamic order here is left for
+later).
 
 Ring indices and barrier phases run on across items (`attention_fwd_ws_sm90.consume_tile`,
 `load_tile`: an item's key tiles are ring indices [base, base + its union's tiles)).  Scope and
@@ -28,9 +37,18 @@ from .ws_pipeline import HALF, ws_program, ws_rings
 
 
 @gluon.jit
-def _items(Sq, grid_bh, NC: gl.constexpr):
-    """(first, end, step): this program's items are first, first + step, ... below end."""
-    return gl.program_id(0), gl.cdiv(Sq, NC * HALF) * grid_bh, gl.num_programs(0)
+def _rounds(Sq, grid_bh, NC: gl.constexpr):
+    """(rounds, items): the grid's items and the rounds of one item a program they take."""
+    items = gl.cdiv(Sq, NC * HALF) * grid_bh
+    return gl.cdiv(items, gl.num_programs(0)), items
+
+
+@gluon.jit
+def _item(k):
+    """This program's item of round k (snake order: the module's note)."""
+    p = gl.program_id(0)
+    P = gl.num_programs(0)
+    return k * P + gl.where(k % 2 == 0, p, P - 1 - p)
 
 
 @gluon.jit
@@ -44,21 +62,23 @@ def _consumer(o_desc, LSE, LSE_LO, q_smem, o_smem, k_ring, v_ring, q_bar, q_empt
     """Consumer ME's rows of each of this program's items (`consume_tile`)."""
     base = 0  # ring index of the item's first key tile
     t0 = 0  # ping-pong turns taken so far
-    k = 0  # items so far (Q's barrier phase)
-    first, end, step = _items(Sq, grid_bh, NC)
-    for tile in range(first, end, step):
-        _, b, h, hk, m0, q_start, sq, k_start, sk, off, alibi_off, slope, u_lo, u_tiles, row_lse = ws_program(
-            Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES,
-            stride_sb, stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, HAS_ALIBI, VARLEN, D, NC, tile,
-            grid_bh)
-        turns = consume_tile(o_desc, LSE, LSE_LO, q_smem, o_smem, k_ring, v_ring, q_bar, k & 1, q_empty, k_ready,
-                             k_empty, v_ready, v_empty, turn, base, t0, b, h, m0, q_start, sq, sk, off, span, u_lo,
-                             u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off, ME, CAUSAL, HAS_WL,
-                             HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES, V_STAGES, VARLEN, STORE_LO, PINGPONG,
-                             POLY_EXP2, True)
-        base += u_tiles
-        t0 += turns
-        k += 1
+    n = 0  # items so far (Q's barrier phase)
+    rounds, items = _rounds(Sq, grid_bh, NC)
+    for k in range(0, rounds):
+        tile = _item(k)
+        if tile < items:
+            _, b, h, hk, m0, q_start, sq, k_start, sk, off, alibi_off, slope, u_lo, u_tiles, row_lse = ws_program(
+                Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES,
+                stride_sb, stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, HAS_ALIBI, VARLEN, D, NC, tile,
+                grid_bh)
+            turns = consume_tile(o_desc, LSE, LSE_LO, q_smem, o_smem, k_ring, v_ring, q_bar, n & 1, q_empty, k_ready,
+                                 k_empty, v_ready, v_empty, turn, base, t0, b, h, m0, q_start, sq, sk, off, span, u_lo,
+                                 u_tiles, row_lse, qk_scale, scale, softcap, slope, alibi_off, ME, CAUSAL, HAS_WL,
+                                 HAS_SOFTCAP, HAS_ALIBI, BLOCK_N, D, STAGES, V_STAGES, VARLEN, STORE_LO, PINGPONG,
+                                 POLY_EXP2, True)
+            base += u_tiles
+            t0 += turns
+            n += 1
     tma.store_wait(0)
 
 
@@ -99,17 +119,20 @@ def _loader(q_desc, k_desc, v_desc, q_all, k_ring, v_ring, q_bars, q_empty, k_re
             VARLEN: gl.constexpr, NC: gl.constexpr):
     """Each item's copies (`load_tile`), in the consumers' order."""
     base = 0
-    k = 0
-    first, end, step = _items(Sq, grid_bh, NC)
-    for tile in range(first, end, step):
-        _, b, h, hk, m0, q_start, sq, k_start, sk, _, _, _, u_lo, u_tiles, _ = ws_program(
-            Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES,
-            stride_sb, stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, False, VARLEN, D, NC, tile, grid_bh)
-        load_tile(q_desc, k_desc, v_desc, q_all, k_ring, v_ring, q_bars, q_empty, k & 1, k_ready, k_empty, v_ready,
-                  v_empty, base, b, h, hk, m0, q_start, sq, k_start, sk, u_lo, u_tiles, BLOCK_N, STAGES, V_STAGES,
-                  VARLEN, NC, True)
-        base += u_tiles
-        k += 1
+    n = 0
+    rounds, items = _rounds(Sq, grid_bh, NC)
+    for k in range(0, rounds):
+        tile = _item(k)
+        if tile < items:
+            _, b, h, hk, m0, q_start, sq, k_start, sk, _, _, _, u_lo, u_tiles, _ = ws_program(
+                Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, span, right, SLOPES,
+                stride_sb, stride_sh, stride_lb, stride_lh, BLOCK_N, CAUSAL, HAS_WL, False, VARLEN, D, NC, tile,
+                grid_bh)
+            load_tile(q_desc, k_desc, v_desc, q_all, k_ring, v_ring, q_bars, q_empty, n & 1, k_ready, k_empty,
+                      v_ready, v_empty, base, b, h, hk, m0, q_start, sq, k_start, sk, u_lo, u_tiles, BLOCK_N, STAGES,
+                      V_STAGES, VARLEN, NC, True)
+            base += u_tiles
+            n += 1
 
 
 @gluon.jit
