@@ -14,13 +14,14 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from flashforge.ops.gluon.attention import persistent_programs  # noqa: E402
+from flashforge.ops.gluon.pipeline import section_heads  # noqa: E402
 
-SMS, L2, FIXED = 132, 32 << 20, 0.3
+SMS, FIXED = 132, 0.3  # (sections: $FLASHFORGE_L2_SECTION and $FLASHFORGE_WAVE, as the kernels)
 
 
 def order(pid, n_blk, n_bh, head_bytes):
     """`pipeline.program_order` with a causal mask, in Python: (block, head) of item pid."""
-    sect = max(min(L2 // max(head_bytes, 1), SMS // n_blk, n_bh), 1)
+    sect = section_heads(head_bytes, n_blk, n_bh)
     size = sect * n_blk
     s, r = divmod(pid, size)
     g = min(sect, n_bh - s * sect)

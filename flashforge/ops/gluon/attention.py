@@ -86,13 +86,12 @@ def persistent_programs(grid, head_bytes: int, causal: bool, sms: int) -> int:
     (attention_fwd_persistent_sm90), which balance only where each round is a whole section, long to
     short -- a model of the standard grid's causal rows puts the longest program at 1.03x the mean
     (four SMs idle at 128 programs) against 1.46-1.56x for rounds of one a multiprocessor."""
-    from .pipeline import L2_SECTION, WAVE
+    from .pipeline import section_heads
     n_blk, n_bh = grid
     if not causal:
         return sms
-    l2 = L2_SECTION.value
-    sect = max(min(l2 // max(head_bytes, 1) if l2 > 0 else n_bh, WAVE.value // n_blk, n_bh), 1)
-    return sect * n_blk if sect * n_blk <= sms else sms
+    size = section_heads(head_bytes, n_blk, n_bh) * n_blk
+    return size if size <= sms else sms
 
 
 def _ws_dkdv_kernel():
@@ -127,7 +126,7 @@ def ws_shared_bytes(cfg, D: int, resident: int = 1) -> int:
     for the barriers and alignment (the compiled kernels use 120-472 B).  The persistent forward
     stages o in a tile of its own."""
     v_stages = cfg.v_stages or max(2, cfg.num_stages)
-    resident += 1 if getattr(cfg, "persistent", False) else 0
+    resident += 1 if cfg.persistent else 0
     return 2 * (cfg.consumers * resident * 64 * D + (max(2, cfg.num_stages) + v_stages) * cfg.block_n * D) + 1024
 
 

@@ -48,6 +48,15 @@ def _wave() -> int:
 WAVE = gl.constexpr(_wave())
 
 
+def section_heads(head_bytes: int, n_blk: int, n_bh: int) -> int:
+    """Heads in one causal section of a grid (n_blk blocks, n_bh heads): `program_order`'s rule, on
+    the host (the persistent forward's program count, `attention.persistent_programs`).  With
+    L2_SECTION = 0 the grid's own order runs each head's blocks in turn, so groups of as many whole
+    heads as a wave holds describe it too."""
+    cap = L2_SECTION.value // max(head_bytes, 1) if L2_SECTION.value > 0 else n_bh
+    return max(min(cap, WAVE.value // n_blk, n_bh), 1)
+
+
 @gluon.jit
 def copy_in(desc, b, row, h, start, length, bar, dst, pred, VARLEN: gl.constexpr):
     """Rows [row, row + box) of head h of sequence b (dense), or of the packed sequence at rows
@@ -224,7 +233,8 @@ def program_order(head_bytes, CAUSAL: gl.constexpr, tile=None, grid_blk=None, gr
         # as many heads as one wave of programs holds (the next section's longest then fill the
         # wave's tail), at least one, no more than L2_SECTION's bytes hold.  (RESULTS.md v0.9.10:
         # sections one head past a wave -- 5 x 32 and 17 x 8 blocks -- read 3-4% under 4 x 32 and
-        # 16 x 8 in the D = 128 causal forward at 4k and 1k, on an H100 and an H200)
+        # 16 x 8 in the D = 128 causal forward at 4k and 1k, on an H100 and an H200).  The host's
+        # twin: `section_heads`
         wave = WAVE // n_blk
         sect = gl.minimum(gl.minimum(L2_SECTION // gl.maximum(head_bytes, 1), wave), n_bh)
         sect = gl.maximum(sect, 1).to(gl.int32)

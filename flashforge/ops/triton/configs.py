@@ -73,9 +73,9 @@ class TileConfig:
     # stage, the consumers splitting the head dim): the table's D = 256 entry from 4096 keys,
     # 1.17-1.38x the ordered pair's backward (H100, RESULTS.md v0.9.8)
     half_dq: bool = False
-    # forward, consumers >= 2 only (ops/gluon/attention_fwd_persistent_sm90.py): one program an SM,
-    # each running a strided share of the work items, the loader fetching the next item's Q and K /
-    # V while the consumers finish the current one, o staged in its own buffer.  Opt-in: not yet
+    # forward, consumers >= 2 only (ops/gluon/attention_fwd_persistent_sm90.py): at most one program
+    # an SM, taking the work items in snake-order rounds, the loader fetching the next item's Q and
+    # K / V while the consumers finish the current one, o staged in its own buffer.  Opt-in: not yet
     # timed on a GPU (the table's entries do not set it)
     persistent: bool = False
 
