@@ -156,6 +156,8 @@ def attn_fwd_persistent_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, LSE_LO,
     fence_async_shared()
     k_ring, v_ring, q_bars, turn, k_ready, k_empty, v_ready, v_empty = ws_rings(k_desc, v_desc, STAGES, V_STAGES,
                                                                                 PINGPONG, NC)
+    # (the partitions are spelled out in each branch, as attn_fwd_ws_sm90_kernel's: a jit function
+    # cannot be held in a variable, nor a partition list built conditionally)
     if NC == 3:
         gl.warp_specialize([
             (_consumer, (o_desc, LSE, LSE_LO, q_all.index(0), o_all.index(0), k_ring, v_ring, q_bars.index(0),
