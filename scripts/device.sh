@@ -20,6 +20,8 @@
 # arguments (e.g. a --deselect), with the default file list or without.  FF_TEST_SHARD=1, 2, 3 or 4 runs one
 # part of the default file list (four calls for the whole suite; 4 is test_gluon_sm90.py's backward; on 14 workers
 # the second took 293 s and the third's files 86 s at v0.9.3; the first and third together 407 s at v0.9.4).
+# FF_TEST_HANG_S (default 240): a test running longer ends its process (tests/conftest.py), since a
+# deadlocked kernel cannot be interrupted (2026-12-07: one hung the rest of a call).
 # Prints the pytest summary, the benchmark tables and one status line per part last; exits non-zero if
 # a part fails or runs out of time.
 set -uo pipefail
@@ -107,7 +109,7 @@ if [[ " $PARTS " == *" tests "* ]]; then
         # SIGINT: pytest stops where it is and still prints its summary and writes the junit file.
         # One inductor compile thread: with a pool, a worker's exit can wait up to 300 s for it
         # (RESULTS v0.8.8: every test had reported when the limit cut such a wait, summary unprinted)
-        TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 30 "$lim" "$PY" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
+        FF_TEST_HANG_S="${FF_TEST_HANG_S:-240}" TORCHINDUCTOR_COMPILE_THREADS=1 timeout -s INT -k 30 "$lim" "$PY" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
             --junitxml="$OUT_DIR/junit-gpu.xml" "$@" > "$OUT_DIR/pytest.log" 2>&1
         RC[tests]=$?
     else

@@ -6,8 +6,13 @@
   NaN-filled floats (ints: a sentinel), so an output element a kernel forgets
   to write shows up as NaN instead of as plausible leftover memory.
 * ``@pytest.mark.gpu`` tests are skipped, with the reason, when CUDA is absent.
+* ``FF_TEST_HANG_S=N``: a test still running after N seconds ends its process (exit 70), naming
+  the test on stderr.  A GPU kernel that deadlocks cannot be interrupted, and it stalls every later
+  launch in the process; under pytest-xdist the worker is replaced and the test reported as crashed,
+  so one hang costs N seconds of a device call instead of the rest of it.
 """
 import os
+import threading
 
 import torch
 
@@ -25,6 +30,29 @@ def pytest_configure(config):
     # the Triton interpreter's own numpy usage, once per scalar load: noise, not ours
     config.addinivalue_line("filterwarnings",
                             "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    limit = float(os.environ.get("FF_TEST_HANG_S") or 0)
+    timer = None
+    if limit > 0:
+        def give_up():
+            capture = item.config.pluginmanager.getplugin("capturemanager")
+            if capture is not None:  # pytest holds file descriptor 2 in a file os._exit would drop
+                capture.suspend_global_capture(in_=False)
+            os.write(2, f"\nFF_TEST_HANG_S: {item.nodeid} still running after {limit:g} s: ending this process\n"
+                     .encode())
+            os._exit(70)
+
+        timer = threading.Timer(limit, give_up)
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -38,3 +38,18 @@ def test_shard_files_exist():
             assert os.path.isfile(os.path.join(ROOT, path)), item
             if func:
                 assert func in _test_functions(path), item
+
+
+def test_a_test_past_ff_test_hang_s_ends_its_process(tmp_path):
+    """conftest.py's watchdog: the hung test is named and its process exits 70 (under xdist, the
+    worker is replaced and the test reported as crashed)."""
+    import shutil
+    import subprocess
+    import sys
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_sleep.py").write_text("import time\n\ndef test_sleeps():\n    time.sleep(60)\n")
+    env = dict(os.environ, FF_TEST_HANG_S="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sleep.py"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50)
+    assert r.returncode == 70, (r.returncode, r.stdout[-500:], r.stderr[-500:])
+    assert "test_sleep.py::test_sleeps still running after 1 s" in r.stderr

@@ -32,10 +32,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .attention_fwd_sm90 import finish_rows, softmax_tile
-from .pipeline import copy_in, copy_out, slot, wait
+from .pipeline import copy_in, copy_out, key_window, slot, wait
 from .rounding import fused_score
-from .ws_pipeline import (HALF, consumer_tiles, fill, release_tiles, turn_pass, turn_wait, ws_program,
-                          ws_rings)
+from .ws_pipeline import (HALF, consumer_tiles, fill, release_tiles, spare_turns, turn_pass, turn_wait,
+                          ws_program, ws_rings)
 
 
 @gluon.jit
@@ -54,9 +54,10 @@ def consume_tile(o_desc, LSE, LSE_LO, q_smem, o_smem, k_ring, v_ring, q_bar, q_p
     back on q_empty once the last S product has read it, so the loader fetches the next item's Q
     while this one finishes; o is staged in a buffer of its own, whose previous store is awaited
     only when it is rewritten; and the ping-pong turns strictly alternate across items -- both
-    consumers take max(their issues) turns an item (the one with fewer passes its spare turns
-    after its epilogue), counted from t0 -- so neither runs two phases ahead of the other on a
-    turn barrier.  Returns the turns this item took (PERSISTENT; else 0)."""
+    consumers take max(their issues) turns an item, counted from t0 -- so neither runs two phases
+    ahead of the other on a turn barrier.  The one with fewer issues passes its spare turns right
+    after its last issue, before its epilogue, with the releases the other's turns need in between
+    (`spare_turns`).  Returns the turns this item took (PERSISTENT; else 0)."""
     dtype: gl.constexpr = o_desc.dtype
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -74,7 +75,11 @@ def consume_tile(o_desc, LSE, LSE_LO, q_smem, o_smem, k_ring, v_ring, q_bar, q_p
         n_turns = gl.maximum(n_own, n_other)
         n_other = n_turns + t0  # every turn of the item waits (`turn_wait`'s bound), counted from t0
     first = base + first  # ring indices from here on
-    release_tiles(k_ready, k_empty, v_ready, v_empty, base, first, STAGES, V_STAGES)
+    lead_end = first
+    if PERSISTENT:
+        if PINGPONG:  # no tiles: its releases go with its spare turns (`spare_turns`)
+            lead_end = gl.where(n_tiles > 0, first, base)
+    release_tiles(k_ready, k_empty, v_ready, v_empty, base, lead_end, STAGES, V_STAGES)
 
     o_m = mc + gl.arange(0, HALF, layout=row_s)
     m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
@@ -127,6 +132,12 @@ def consume_tile(o_desc, LSE, LSE_LO, q_smem, o_smem, k_ring, v_ring, q_bar, q_p
         mbarrier.arrive(v_empty.index(last % V_STAGES), count=1)
     elif PERSISTENT:
         mbarrier.arrive(q_empty, count=1)
+    if PERSISTENT:
+        tail = lead_end + n_tiles  # the union's tiles from here on are not read by this consumer
+        if PINGPONG:  # before the epilogue: the other's products wait for these turns
+            o_lo, _, _, _ = key_window(m0 + (1 - ME) * HALF, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
+            tail = spare_turns(turn, k_ready, k_empty, v_ready, v_empty, tail, base + u_tiles, base + o_lo - u_lo, t0,
+                               n_own, n_turns, ME, STAGES, V_STAGES)
 
     acc = finish_rows(acc, m_i, l_i, LSE, LSE_LO, row_lse, o_m, Sq, row_o, STORE_LO)
     if PERSISTENT:
@@ -134,13 +145,10 @@ def consume_tile(o_desc, LSE, LSE_LO, q_smem, o_smem, k_ring, v_ring, q_bar, q_p
     o_smem.reshape([HALF, D]).store(acc.to(dtype))  # (not PERSISTENT: o_smem is this half's Q, read no more)
     fence_async_shared()
     copy_out(o_desc, b, mc, h, q_start, Sq, o_smem, VARLEN)
-    release_tiles(k_ready, k_empty, v_ready, v_empty, first + n_tiles, base + u_tiles, STAGES, V_STAGES)
     if PERSISTENT:
-        if PINGPONG:  # the spare turns: the other consumer's issues go on alternating with these
-            for i in range(n_own, n_turns):
-                turn_wait(turn, t0 + i, n_other, ME, PINGPONG)
-                turn_pass(turn, ME, PINGPONG)
+        release_tiles(k_ready, k_empty, v_ready, v_empty, tail, base + u_tiles, STAGES, V_STAGES)
     else:
+        release_tiles(k_ready, k_empty, v_ready, v_empty, first + n_tiles, base + u_tiles, STAGES, V_STAGES)
         tma.store_wait(0)
     return n_turns
 

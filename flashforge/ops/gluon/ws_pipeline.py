@@ -125,3 +125,25 @@ def turn_wait(bars, i, n_other, ME: gl.constexpr, PINGPONG: gl.constexpr):
 def turn_pass(bars, ME: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
         mbarrier.arrive(bars.index(1 - ME), count=1)
+
+
+@gluon.jit
+def spare_turns(turn, k_ready, k_empty, v_ready, v_empty, r, end, o_first, t0, n_own, n_turns, ME: gl.constexpr,
+                STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """A persistent ping-pong consumer's turns [n_own, n_turns) of an item, which it passes without
+    issuing (the other consumer has more), interleaved with its releases of the union's tiles from
+    ring index r on that it does not read; returns the first tile not yet released.
+
+    Why interleaved: the other consumer's turn i reads K at ring index o_first + i (and V one
+    behind), which the loader can only fill once this consumer has released the tile a ring's depth
+    earlier, so those releases go before the turn that needs them; and a release waits for its tile
+    to land, so releasing them all first (the first version, 2026-12-07) waited on tiles that only
+    the other's later turns free, while the other waited on this one's turn: a hang on every item
+    with a consumer whose rows are past the sequence's end (tests/ws_protocol_model.py replays it)."""
+    for i in range(n_own, n_turns):
+        lim = gl.minimum(gl.minimum(o_first + i + 2 - STAGES, o_first + i + 2 - V_STAGES), end)
+        release_tiles(k_ready, k_empty, v_ready, v_empty, r, lim, STAGES, V_STAGES)
+        r = gl.maximum(r, lim)
+        turn_wait(turn, t0 + i, t0 + n_turns, ME, True)
+        turn_pass(turn, ME, True)
+    return r
