@@ -1,8 +1,9 @@
 """The warp-specialized forward's barrier protocol, replayed on the CPU (tests/ws_protocol_model.py).
 
 The model is checked against the GPU first: on 2026-12-07 (H100) the first persistent ping-pong
-version hung on 14 of the forward tests' persistent variants and passed the rest; the model, with
-that version's order (`old_tail`), must hang on exactly the same ones.  Then the kernel's current
+version hung on 14 of the forward tests' persistent variants; the model, with that version's order
+(`old_tail`), must hang on exactly those 14 and finish the 14 ping-pong persistent cases of D <= 128
+that passed there.  Then the kernel's current
 order must finish every geometry without a deadlock or a wait passing on the wrong phase."""
 import random
 
@@ -57,7 +58,8 @@ GPU_RUN = [
     ("bhsd-D64-causal", geometry(513, 513, 8, causal=True), {"n128": "hang", "n64": "hang"}),
     ("sharp-softmax", geometry(384, 640, 2), {"n128": "ok", "n64": "ok"}),
     ("Sq64-Sk333-one-query-tile", geometry(64, 333, 4), {"n128": "hang", "n64": "hang"}),
-    ("Sq64-Sk1", geometry(64, 1, 2), {"n128": "ok", "n64": "ok"}),
+    ("Sq64-Sk1", geometry(64, 1, 4), {"n128": "ok", "n64": "ok"}),
+    ("Sq200-Sk50-one-partial-tile", geometry(200, 50, 6), {"n128": "ok"}),
     ("S2048-D128-causal-gqa8/2", geometry(2048, 2048, 8, causal=True), {"n128": "ok", "n64": "ok"}),
     ("Sq300-Sk1000-bottom-right", geometry(300, 1000, 4, causal=True, offset=700), {"n128": "hang", "n64": "hang"}),
     ("S640-D128-both-sides", geometry(640, 640, 2, window=(64, 31)), {"n128": "ok", "n64": "ok"}),
@@ -65,6 +67,11 @@ GPU_RUN = [
     ("S777-D64-left-only", geometry(777, 777, 2, window=(90, -1)), {"n64": "ok"}),
     ("S515-D64-right-only", geometry(515, 515, 2, window=(-1, 70)), {"n128": "hang", "n64": "hang"}),
     ("Sq300-Sk333-window-wider-than-keys", geometry(300, 333, 2, window=(5000, 4000)), {"n128": "hang"}),
+    ("Sq300-Sk1000-bottom-right-window", geometry(300, 1000, 4, causal=True, offset=700, window=(200, -1)),
+     {"n64": "hang"}),
+    ("Sq700-Sk200-window-empty-rows", geometry(700, 200, 2, offset=-300, window=(20, 5)), {"n64": "ok"}),
+    ("sharp-softmax-window", geometry(384, 640, 2, window=(150, 20)), {"n64": "ok"}),
+    ("S777-D128-softcap30-gqa4/2 (test_modifiers)", geometry(777, 777, 8), {"n128": "hang"}),
 ]
 VARIANTS = {"n128": (128, 2), "n64": (64, 3)}
 RUNS = [(name, g, v, want) for name, g, outs in GPU_RUN for v, want in outs.items()]
