@@ -129,12 +129,6 @@ def _release(P, r):
     P.v_empty[r % P.VS].arrive()
 
 
-def _turn(P, me, i):
-    """`turn_wait` (every turn of a persistent item waits) then `turn_pass`."""
-    yield wait(P.turn[me], i & 1, i + 1)
-    P.turn[1 - me].arrive()
-
-
 def consumer(P: Program, me, items, persistent, pingpong, old_tail=False):
     """`consume_tile` for each item in turn.  old_tail: the first persistent version's order (its
     trailing releases, then its spare turns) -- kept so the test shows the model finds that hang."""
@@ -151,7 +145,7 @@ def consumer(P: Program, me, items, persistent, pingpong, old_tail=False):
         n_turns = max(n_own, n_other) if persistent else n_own
         lim_other = n_turns + t0 if persistent else n_other
 
-        def turn(i):
+        def turn(i):  # `turn_wait` then `turn_pass` (persistent: every turn of the item waits)
             if not pp:
                 return
             ok = i <= lim_other if me == 0 else i < lim_other
@@ -188,18 +182,17 @@ def consumer(P: Program, me, items, persistent, pingpong, old_tail=False):
         if persistent and pp and not old_tail:
             # `consume_tile`'s spare turns: before the other's turn i, hand back the tiles the loader
             # must refill for it (the other reads K at ring index o_first + i)
-            s_min = min(P.S, P.VS)
             for i in range(n_own, n_turns):
-                while r < min(o_first + i + 2 - s_min, end):
+                while r < min(o_first + i + 2 - P.S, o_first + i + 2 - P.VS, end):
                     yield from _release(P, r)
                     r += 1
-                yield from _turn(P, me, t0 + i)
+                yield from turn(t0 + i)
         while r < end:
             yield from _release(P, r)
             r += 1
         if persistent and pp and old_tail:
             for i in range(n_own, n_turns):
-                yield from _turn(P, me, t0 + i)
+                yield from turn(t0 + i)
         base += it.u_tiles
         t0 += n_turns
 

@@ -91,7 +91,7 @@ def persistent_programs(grid, head_bytes: int, causal: bool, sms: int) -> int:
     if not causal:
         return sms
     size = section_heads(head_bytes, n_blk, n_bh) * n_blk
-    return size if size <= sms else sms
+    return min(size, sms)
 
 
 def _ws_dkdv_kernel():

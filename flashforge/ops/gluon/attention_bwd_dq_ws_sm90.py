@@ -93,8 +93,8 @@ def _dq_consumer(dq_desc, LSE, LSE_LO, DELTA, far_at, O, DLSE, stride_ob, stride
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    mc, n_lo, n_tiles, n_lfull, n_full, first, n_other = consumer_tiles(m0, Sq, Sk, offset, span, u_lo, u_tiles, ME,
-                                                                        BLOCK_N, CAUSAL, HAS_WL, PINGPONG)
+    mc, n_lo, n_tiles, n_lfull, n_full, first, n_other, _ = consumer_tiles(m0, Sq, Sk, offset, span, u_lo, u_tiles, ME,
+                                                                           BLOCK_N, CAUSAL, HAS_WL, PINGPONG)
     release_tiles(k_ready, k_empty, v_ready, v_empty, 0, first, STAGES, V_STAGES)
 
     o_m = mc + gl.arange(0, HALF, layout=row_s)

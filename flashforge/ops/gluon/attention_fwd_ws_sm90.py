@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .attention_fwd_sm90 import finish_rows, softmax_tile
-from .pipeline import copy_in, copy_out, key_window, slot, wait
+from .pipeline import copy_in, copy_out, slot, wait
 from .rounding import fused_score
 from .ws_pipeline import (HALF, consumer_tiles, fill, release_tiles, spare_turns, turn_pass, turn_wait,
                           ws_program, ws_rings)
@@ -67,8 +67,9 @@ def consume_tile(o_desc, LSE, LSE_LO, q_smem, o_smem, k_ring, v_ring, q_bar, q_p
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    mc, n_lo, n_tiles, n_lfull, n_full, first, n_other = consumer_tiles(m0, Sq, Sk, offset, span, u_lo, u_tiles, ME,
-                                                                        BLOCK_N, CAUSAL, HAS_WL, PINGPONG)
+    mc, n_lo, n_tiles, n_lfull, n_full, first, n_other, o_first = consumer_tiles(m0, Sq, Sk, offset, span, u_lo,
+                                                                                 u_tiles, ME, BLOCK_N, CAUSAL, HAS_WL,
+                                                                                 PINGPONG)
     n_turns = 0
     if PERSISTENT:
         n_own = gl.where(n_tiles > 0, n_tiles + 1, 0)
@@ -135,8 +136,7 @@ def consume_tile(o_desc, LSE, LSE_LO, q_smem, o_smem, k_ring, v_ring, q_bar, q_p
     if PERSISTENT:
         tail = lead_end + n_tiles  # the union's tiles from here on are not read by this consumer
         if PINGPONG:  # before the epilogue: the other's products wait for these turns
-            o_lo, _, _, _ = key_window(m0 + (1 - ME) * HALF, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
-            tail = spare_turns(turn, k_ready, k_empty, v_ready, v_empty, tail, base + u_tiles, base + o_lo - u_lo, t0,
+            tail = spare_turns(turn, k_ready, k_empty, v_ready, v_empty, tail, base + u_tiles, base + o_first, t0,
                                n_own, n_turns, ME, STAGES, V_STAGES)
 
     acc = finish_rows(acc, m_i, l_i, LSE, LSE_LO, row_lse, o_m, Sq, row_o, STORE_LO)
@@ -147,7 +147,7 @@ def consume_tile(o_desc, LSE, LSE_LO, q_smem, o_smem, k_ring, v_ring, q_bar, q_p
     copy_out(o_desc, b, mc, h, q_start, Sq, o_smem, VARLEN)
     if PERSISTENT:
         release_tiles(k_ready, k_empty, v_ready, v_empty, tail, base + u_tiles, STAGES, V_STAGES)
-    else:
+    else:  # (tail's value, formed here: the one-item kernels' code stays as it was)
         release_tiles(k_ready, k_empty, v_ready, v_empty, first + n_tiles, base + u_tiles, STAGES, V_STAGES)
         tma.store_wait(0)
     return n_turns

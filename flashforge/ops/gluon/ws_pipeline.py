@@ -68,20 +68,22 @@ def ws_rings(k_desc, v_desc, STAGES: gl.constexpr, V_STAGES: gl.constexpr, PINGP
 @gluon.jit
 def consumer_tiles(m0, Sq, Sk, offset, span, u_lo, u_tiles, ME: gl.constexpr, BLOCK_N: gl.constexpr,
                    CAUSAL: gl.constexpr, HAS_WL: gl.constexpr, PINGPONG: gl.constexpr):
-    """(mc, n_lo, n_tiles, n_lfull, n_full, first, n_other) of consumer ME: its rows' first row,
-    `key_window` over them, the ring index of its first tile, and (PINGPONG) the other consumer's
-    issue count (n_tiles + 1 each: the first tile's S alone, then one a tile, then the last P V)."""
+    """(mc, n_lo, n_tiles, n_lfull, n_full, first, n_other, o_first) of consumer ME: its rows' first
+    row, `key_window` over them, the ring index of its first tile, and (PINGPONG) the other
+    consumer's issue count (n_tiles + 1 each: the first tile's S alone, then one a tile, then the
+    last P V) and the ring index of its first tile (`spare_turns`)."""
     mc = m0 + ME * HALF
     n_lo, n_tiles, n_lfull, n_full = key_window(mc, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
     if n_tiles <= 0:
         n_tiles = 0
         n_lo = u_lo + u_tiles
     if PINGPONG:
-        _, o_tiles, _, _ = key_window(m0 + (1 - ME) * HALF, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
+        o_lo, o_tiles, _, _ = key_window(m0 + (1 - ME) * HALF, Sq, Sk, offset, span, HALF, BLOCK_N, CAUSAL, HAS_WL)
         n_other = gl.where(o_tiles > 0, o_tiles + 1, 0)
     else:
+        o_lo = u_lo
         n_other = 0
-    return mc, n_lo, n_tiles, n_lfull, n_full, n_lo - u_lo, n_other
+    return mc, n_lo, n_tiles, n_lfull, n_full, n_lo - u_lo, n_other, o_lo - u_lo
 
 
 @gluon.jit
