@@ -429,32 +429,37 @@ def test_long_backward_takes_the_warp_specialized_kernel(D):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_long_d64_forward_takes_three_consumers(causal):
-    """The table's "fwd_long" entry (D = 64: three consumers, 192-row programs) serves a forward
-    from its min_keys keys on; shorter calls, narrower windows, other head dims and overridden
-    forward tiles keep what they had."""
+@pytest.mark.parametrize("D", [64, 128])
+def test_long_forward_takes_the_fwd_long_entry(D, causal):
+    """The table's "fwd_long" entry serves a forward from its min_keys keys on (D = 64: three
+    consumers, 192-row programs; D = 128: the plain-grid warp-specialized kernel, where the shorter
+    calls take its persistent variant); shorter calls, narrower windows, other head dims and
+    overridden forward tiles keep what they had."""
     from flashforge.ops.triton import attention as launchers
     from flashforge.ops.triton import configs
-    long = configs.gluon_config(64, 2, causal, (9, 0), "fwd_long")
-    one = configs.gluon_config(64, 2, causal, (9, 0))
-    assert long is not None and long.consumers == 3 and long.block_m == 192 and long.min_keys > 0
-    assert one is not None and one.consumers == 1
-    assert configs.gluon_config(128, 2, causal, (9, 0), "fwd_long") is None
+    long = configs.gluon_config(D, 2, causal, (9, 0), "fwd_long")
+    short = configs.gluon_config(D, 2, causal, (9, 0))
+    assert long is not None and short is not None and long.min_keys > 0 and long != short
+    if D == 64:
+        assert long.consumers == 3 and long.block_m == 192 and short.consumers == 1
+    else:
+        assert long.consumers == short.consumers == 2 and not long.persistent and short.persistent
+    assert configs.gluon_config(256, 2, causal, (9, 0), "fwd_long") is None
     right = 0 if causal else -1
     n = long.min_keys
-    for S, kw, want in [(n, {}, long), (n - 64, {}, one), (n, dict(window_left=n - 1), one),
+    for S, kw, want in [(n, {}, long), (n - 64, {}, short), (n, dict(window_left=n - 1), short),
                         (n, dict(window_left=n), long)]:
-        q = torch.empty(1, S, 2, 64, dtype=torch.bfloat16)
-        got = launchers._long_fwd(one, q, q, q, None, _params(window_right=right, **kw), (9, 0))
+        q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
+        got = launchers._long_fwd(short, q, q, q, None, _params(window_right=right, **kw), (9, 0))
         assert got == want, (S, kw, got)
-    q = torch.empty(1, n, 2, 128, dtype=torch.bfloat16)
-    g128 = configs.gluon_config(128, 2, causal, (9, 0))
-    assert launchers._long_fwd(g128, q, q, q, None, _params(window_right=right), (9, 0)) == g128
-    configs.set_config("fwd", 64, 2, TileConfig(64, 64, 4, 2, gluon=True))
+    q = torch.empty(1, n, 2, 256, dtype=torch.bfloat16)
+    g256 = configs.gluon_config(256, 2, causal, (9, 0))
+    assert launchers._long_fwd(g256, q, q, q, None, _params(window_right=right), (9, 0)) == g256
+    configs.set_config("fwd", D, 2, TileConfig(64, 64, 4, 2, gluon=True))
     try:
-        assert configs.gluon_config(64, 2, causal, (9, 0), "fwd_long") is None
+        assert configs.gluon_config(D, 2, causal, (9, 0), "fwd_long") is None
     finally:
-        configs.set_config("fwd", 64, 2, None)
+        configs.set_config("fwd", D, 2, None)
 
 
 def test_register_operand_ws_backward_is_for_d64_only():

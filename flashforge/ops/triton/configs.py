@@ -118,8 +118,13 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # V slot (one warpgroup a program, two programs an SM, each copying every tile); causal 351 /
     # 509 / 606 against 366 / 491 / 555, GQA 32/8 causal 4k 571 against 507, window 1023 450
     # against 432.  D = 64 stays on the one-warpgroup kernel: WS measured 0.66-0.97x there but
-    # at S = 16k causal (1.09)
-    ("fwd_gluon", 128, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, pingpong=True),
+    # at S = 16k causal (1.09).
+    # Below 8192 keys the persistent variant (one program an SM taking the grid's items in rounds,
+    # the next item's Q and K loaded while the consumers finish the last): H100, bf16, A/B in one
+    # process a tree, two rounds (RESULTS.md v0.9.14): S = 1k 1.10 / 1.11x, causal 1.11 / 1.10x,
+    # 4k causal 1.02x, GQA 32/8 4k causal 1.03-1.04x, window 1023 1.03x; from 8192 keys it lost
+    # (v0.9.12: S = 16k 0.88x, causal 0.98x), so the "fwd_long" entries below keep the plain grid there
+    ("fwd_gluon", 128, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, pingpong=True, persistent=True),
     ("fwd_gluon_causal", 64, 2): TileConfig(64, 64, 4, 2, gluon=True),
     # D = 64 with many keys: the warp-specialized kernel with three consumers (192 query rows a
     # program, each K / V tile copied once for them; FA4's D = 64 tiles).  H200, bf16, against the
@@ -134,7 +139,10 @@ _SM90: dict[tuple[str, int, int], TileConfig] = {
     # tiles' 329 and kept Gluon from 2k keys on; v0.5.0 timed both in one process
     # (benchmarks/profile/short_calls.py): Gluon 348 in a CUDA graph and 307 eager against the portable
     # 321 and 219 (it also needs ~100 us less host time per call), so Gluon serves all lengths
-    ("fwd_gluon_causal", 128, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, pingpong=True),
+    ("fwd_gluon_causal", 128, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, pingpong=True, persistent=True),
+    ("fwd_long_gluon", 128, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, pingpong=True, min_keys=8192),
+    ("fwd_long_gluon_causal", 128, 2): TileConfig(128, 128, 4, 2, gluon=True, consumers=2, pingpong=True,
+                                                  min_keys=8192),
     # D = 256 (H200, benchmarks/tune/bwd256_sweep.py, RESULTS.md v0.8.1; bf16 TFLOP/s, S = 4k / 16k
     # causal): the forward in 128 x 32 tiles, 8 warps, 3 stages through TMA 448 / 464 against 351 / 351
     # for 64 x 32 x 4 warps (which spilled nothing; more rows per program is what paid)
