@@ -9,7 +9,8 @@
 * ``FF_TEST_HANG_S=N``: a test still running after N seconds ends its process (exit 70), naming
   the test on stderr.  A GPU kernel that deadlocks cannot be interrupted, and it stalls every later
   launch in the process; under pytest-xdist the worker is replaced and the test reported as crashed,
-  so one hang costs N seconds of a device call instead of the rest of it.
+  so one hang costs N seconds of a device call instead of the rest of it.  A test known to run
+  longer says so with ``@pytest.mark.hang_s(M)``: its limit is then max(N, M).
 """
 import os
 import threading
@@ -27,6 +28,7 @@ NO_CUDA_REASON = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped (with the reason) when there is none")
+    config.addinivalue_line("markers", "hang_s(seconds): this test's FF_TEST_HANG_S watchdog waits at least that long")
     # the Triton interpreter's own numpy usage, once per scalar load: noise, not ours
     config.addinivalue_line("filterwarnings",
                             "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
@@ -37,6 +39,9 @@ def pytest_runtest_call(item):
     limit = float(os.environ.get("FF_TEST_HANG_S") or 0)
     timer = None
     if limit > 0:
+        own = item.get_closest_marker("hang_s")
+        if own is not None:
+            limit = max(limit, float(own.args[0]))
         def give_up():
             capture = item.config.pluginmanager.getplugin("capturemanager")
             if capture is not None:  # pytest holds file descriptor 2 in a file os._exit would drop

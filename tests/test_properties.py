@@ -54,6 +54,9 @@ def test_torch_backend_matches_reference(backend, c):
     check_case(c, backend)
 
 
+# one test, 25 examples, each compiling its own kernels: on the GPU it ran most of a shard's
+# 545 s (RESULTS.md v0.9.4), past device.sh's 240-second hang watchdog (v0.9.14)
+@pytest.mark.hang_s(900)
 @pytest.mark.parametrize("backend", [triton_backend])
 @settings(max_examples=25, **COMMON)
 @given(c=cases(max_s=24, max_heads=4))
