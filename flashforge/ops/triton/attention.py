@@ -283,11 +283,13 @@ def _forward(q, k, v, mask, params: AttnParams, rec, lse_lo=None):
 
 
 def _long_fwd(g_cfg, q, k, v, mask, params: AttnParams, arch):
-    """The table's Gluon forward tiles for this call: its "fwd_long" entry (D = 64: three consumers,
-    192-row programs) where the call has its min_keys keys, no window narrower, and the entry's
-    kernel takes it; else `g_cfg`.  Why: on the H200 (bf16, benchmarks/RESULTS.md v0.9.4) 192 x 128
-    tiles ran 1.03x the one-warpgroup kernel at S = 4k and 1.12x at 16k, causal 0.96x at 4k and
-    1.08x at 16k, but 0.80x (causal 0.54x) at 1k, where a program's fixed costs weigh."""
+    """The table's Gluon forward tiles for this call: its "fwd_long" entry where the call has its
+    min_keys keys, no window narrower, and the entry's kernel takes it; else `g_cfg`.  Why: D = 64's
+    entry is three consumers, 192-row programs: on the H200 (bf16, benchmarks/RESULTS.md v0.9.4)
+    192 x 128 tiles ran 1.03x the one-warpgroup kernel at S = 4k and 1.12x at 16k, causal 0.96x at
+    4k and 1.08x at 16k, but 0.80x (causal 0.54x) at 1k, where a program's fixed costs weigh.
+    D = 128's is the plain-grid warp-specialized kernel from 8192 keys, where the persistent one the
+    shorter calls take lost (v0.9.12, v0.9.14)."""
     D = max(q.shape[3], v.shape[3])
     long = gluon_config(D, q.element_size(), params.window_right >= 0, arch, "fwd_long")
     # (the key count first: a short call is not scoped twice, here and by the caller)
