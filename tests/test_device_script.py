@@ -40,17 +40,23 @@ def test_shard_files_exist():
                 assert func in _test_functions(path), item
 
 
-def test_a_test_past_ff_test_hang_s_ends_its_process(tmp_path):
-    """conftest.py's watchdog: the hung test is named and its process exits 70 (under xdist, the
-    worker is replaced and the test reported as crashed)."""
+def _pytest_under_watchdog(tmp_path, source: str, *args: str):
+    """pytest run in a subprocess on `source` (test_sleep.py) beside a copy of conftest.py, with
+    FF_TEST_HANG_S=1."""
     import shutil
     import subprocess
     import sys
     shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
-    (tmp_path / "test_sleep.py").write_text("import time\n\ndef test_sleeps():\n    time.sleep(60)\n")
+    (tmp_path / "test_sleep.py").write_text(source)
     env = dict(os.environ, FF_TEST_HANG_S="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sleep.py"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50)
+    return subprocess.run([sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider", "test_sleep.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50)
+
+
+def test_a_test_past_ff_test_hang_s_ends_its_process(tmp_path):
+    """conftest.py's watchdog: the hung test is named and its process exits 70 (under xdist, the
+    worker is replaced and the test reported as crashed)."""
+    r = _pytest_under_watchdog(tmp_path, "import time\n\ndef test_sleeps():\n    time.sleep(60)\n", "-q")
     assert r.returncode == 70, (r.returncode, r.stdout[-500:], r.stderr[-500:])
     assert "test_sleep.py::test_sleeps still running after 1 s" in r.stderr
 
@@ -58,15 +64,8 @@ def test_a_test_past_ff_test_hang_s_ends_its_process(tmp_path):
 def test_hang_s_marker_extends_the_watchdog(tmp_path):
     """A test marked hang_s(M) gets max(FF_TEST_HANG_S, M) seconds: one that sleeps past the
     environment's limit but within its own passes; an unmarked one beside it still ends the process."""
-    import shutil
-    import subprocess
-    import sys
-    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
-    (tmp_path / "test_sleep.py").write_text(
-        "import time\nimport pytest\n\n@pytest.mark.hang_s(30)\ndef test_long():\n    time.sleep(2)\n\n"
-        "def test_short():\n    time.sleep(60)\n")
-    env = dict(os.environ, FF_TEST_HANG_S="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "test_sleep.py"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50)
+    r = _pytest_under_watchdog(
+        tmp_path, "import time\nimport pytest\n\n@pytest.mark.hang_s(30)\ndef test_long():\n    time.sleep(2)\n\n"
+        "def test_short():\n    time.sleep(60)\n", "-v")
     assert "test_sleep.py::test_long PASSED" in r.stdout, (r.stdout[-800:], r.stderr[-500:])
     assert r.returncode == 70 and "test_sleep.py::test_short still running after 1 s" in r.stderr

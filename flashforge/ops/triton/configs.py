@@ -75,8 +75,8 @@ class TileConfig:
     half_dq: bool = False
     # forward, consumers >= 2 only (ops/gluon/attention_fwd_persistent_sm90.py): at most one program
     # an SM, taking the work items in snake-order rounds, the loader fetching the next item's Q and
-    # K / V while the consumers finish the current one, o staged in its own buffer.  Opt-in: not yet
-    # timed on a GPU (the table's entries do not set it)
+    # K / V while the consumers finish the current one, o staged in its own buffer.  The table's
+    # D = 128 entries below 8192 keys set it (RESULTS.md v0.9.14)
     persistent: bool = False
 
 
