@@ -138,7 +138,9 @@ def main() -> None:
             if proc.returncode or not line:
                 sys.exit(f"{name} (round {r}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             results[name].append(json.loads(line[0][len("AB_RESULT "):]))
-            print(f"round {r}: {name} done", flush=True)
+            # each child's rows as it ends, so a run cut by a time limit still leaves what it measured
+            print(f"round {r}: {name} done " + json.dumps({k: round(v, 1) for k, v in results[name][-1].items()}),
+                  flush=True)
     med = {name: {row: statistics.median(run[row] for run in runs) for row in runs[0]}
            for name, runs in results.items()}
     first, last = trees[0][0], trees[-1][0]
