@@ -529,3 +529,15 @@ def test_persistent_programs_are_one_causal_section():
     assert P((32, 32), 4096 * 512, False, 132) == 132
     # sections are sized for WAVE (device 0's multiprocessors): on a device with fewer, one an SM
     assert P((32, 32), 4096 * 512, True, 114) == 114
+
+
+def test_backward_exponent_forms_by_dtype():
+    """`rounding.backward_fuse`: bfloat16's plain score fused in every launch, float16's only where
+    the program is known near (lse_lo's first launch); any modifier keeps the rounded form, the same
+    rule as the portable kernels' `fused_score`."""
+    from triton.experimental.gluon import language as gl
+    from flashforge.ops.gluon import rounding
+    assert rounding.backward_fuse(gl.bfloat16, False) and rounding.backward_fuse(gl.bfloat16, True)
+    assert rounding.backward_fuse(gl.float16, True) and not rounding.backward_fuse(gl.float16, False)
+    for mod in (dict(HAS_SOFTCAP=True), dict(HAS_ALIBI=True)):
+        assert not rounding.backward_fuse(gl.float16, True, **mod) and not rounding.backward_fuse(gl.bfloat16, True, **mod)

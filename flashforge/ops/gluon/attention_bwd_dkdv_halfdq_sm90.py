@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attention_bwd_dkdv_ws_sm90 import _half_masks, _lo_launch, _resident_kv, _store_dq, _tile_masked, _tile_rows
 from .pipeline import copy_out, copy_pair, key_block, query_window, reduce_out, wait
-from .rounding import LOG2E, exponent, fused_score, mul_rn
+from .rounding import LOG2E, backward_fuse, exponent, mul_rn
 from .scores import modified_score
 from .ws_pipeline import HALF
 
@@ -121,14 +121,16 @@ def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring, v_rin
                    qk_scale, scale, softcap, SL, stride_sh, alibi_off, ME: gl.constexpr, CAUSAL: gl.constexpr,
                    HAS_WL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr,
                    D: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr,
-                   DQ_N: gl.constexpr, DEFER: gl.constexpr):
+                   DQ_N: gl.constexpr, DEFER: gl.constexpr, NEAR: gl.constexpr):
     """dK, dV of keys n0 + 64 ME + [0, 64), and half of every tile's dQ (module docstring).  K, V
-    and the other half's K come as one-slot rings (the loop indexes them, below)."""
+    and the other half's K come as one-slot rings (the loop indexes them, below).  NEAR: every
+    |lse2| of the program is below LO_FROM (lse_lo's first launch), so float16 fuses its exponent
+    too (`rounding.backward_fuse`)."""
     k_smem = k_ring.index(0)
     v_smem = v_ring.index(0)
     k_other = k_ring_other.index(0)
     dtype: gl.constexpr = k_smem.dtype
-    FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+    FUSE: gl.constexpr = backward_fuse(dtype, NEAR, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
     # S^T / dP^T: [keys, queries]; dK / dV: [keys, D]; the dQ part: [64, 64]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -237,13 +239,13 @@ def _half_consumer1(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_sm
                     qk_scale, scale, softcap, SL, stride_sh, alibi_off, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
                     HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
                     STAGES: gl.constexpr, VARLEN: gl.constexpr, USE_LO: gl.constexpr, DQ_N: gl.constexpr,
-                    DEFER: gl.constexpr):
+                    DEFER: gl.constexpr, NEAR: gl.constexpr):
     # the second half's keys, in a worker partition
     _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_smem, kv_bar, k_other, kv_bar_other, q_ring,
                    do_ring, ready, empty, ds_mine, ds_other, ds_ready, ds_free, dq_smem, dq_full, dq_empty, b, hk,
                    group, n0, k_start, Sk, Sq, offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh,
                    qk_scale, scale, softcap, SL, stride_sh, alibi_off, 1, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI,
-                   BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, DEFER)
+                   BLOCK_M, D, STAGES, VARLEN, USE_LO, DQ_N, DEFER, NEAR)
 
 
 @gluon.jit
@@ -334,6 +336,8 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
     T = n_mt * group
     # lse_lo's two launches, as the ws kernel's
     USE_LO: gl.constexpr = LO_PASS
+    # the first launch's active programs are those with every |lse2| < LO_FROM (`_lo_launch`)
+    NEAR: gl.constexpr = HAS_LO and not LO_PASS
     T, active = _lo_launch(FAR, LSE, bh, row_b, stride_lh, hk, group, Sq, n0, T, HAS_LO, LO_PASS, FAR_READY, num_warps)
 
     # one-slot rings: the consumers index them in their loops (see _half_consumer)
@@ -378,13 +382,13 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
                               dq_smem0, dq_full.index(0), dq_empty.index(0), b, hk, group, n0, k_start, Sk, Sq,
                               offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale,
                               softcap, SL, stride_sh, alibi_off, 0, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M,
-                              D, STAGES, VARLEN, USE_LO, DQ_N, DEFER)),
+                              D, STAGES, VARLEN, USE_LO, DQ_N, DEFER, NEAR)),
             (_half_consumer1, (dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring1, v_ring1, kv_bars.index(1), k_ring0,
                                kv_bars.index(0), q_ring, do_ring, ready, empty, ds_ring1, ds_ring0, ds_ready, ds_free,
                                dq_smem1, dq_full.index(1), dq_empty.index(1), b, hk, group, n0, k_start, Sk, Sq,
                                offset, span, T, n_mt, mt_lo, n_masked, n_lfull, row_b, stride_lh, qk_scale, scale,
                                softcap, SL, stride_sh, alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, D,
-                               STAGES, VARLEN, USE_LO, DQ_N, DEFER)),
+                               STAGES, VARLEN, USE_LO, DQ_N, DEFER, NEAR)),
             (_stats_loader, (q_desc, k_desc, v_desc, do_desc, k_ring0.index(0), v_ring0.index(0), k_ring1.index(0),
                              v_ring1.index(0), kv_bars, q_ring,
                              do_ring, ready, empty, lse_ring, delta_ring, LSE, DELTA, row_b, stride_lh, b, hk,

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_block, key_program, key_window,
                        load_rows, query_program, query_window, reduce_out, slot, visible, wait)
-from .rounding import LOG2E, exponent, fused_score, mul_rn
+from .rounding import LOG2E, backward_fuse, exponent, fused_score, mul_rn
 from .scores import modified_score
 
 
@@ -487,7 +487,8 @@ def _dkdv_block(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, 
     second launch where the group has a far row, and writes FAR (FAR_READY: reads it, as the dQ
     kernel wrote it)."""
     dtype: gl.constexpr = q_desc.dtype
-    FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)  # (rounding.py)
+    # SCAN: the programs that compute have every |lse2| < LO_FROM, where float16 fuses too (rounding.py)
+    FUSE: gl.constexpr = backward_fuse(dtype, SCAN, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
     bh, b, hk, n0, q_start, Sq, k_start, Sk, offset, row_b = key_block(CU_Q, CU_K, ORDER, Hq, group, Sq, Sk, total_q,
                                                                        total_k, offset, bottom_right, stride_lb,
                                                                        BLOCK_N, VARLEN, CAUSAL, D)
@@ -751,6 +752,8 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
     kernel's first launch would otherwise scan the group's lse for (`_lo_needed`)."""
     dtype: gl.constexpr = q_desc.dtype
     FUSE: gl.constexpr = fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)  # (rounding.py)
+    # rows with lse_lo and none far (`lo_rows`): float16 fuses there too
+    FUSE_NEAR: gl.constexpr = backward_fuse(dtype, HAS_LO, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
     kv_row, b, h, hk, m0, q_start, Sq, k_start, Sk, offset, alibi_off, slope = query_program(
         Sq, Hq, group, CU_Q, CU_K, ORDER, Sk, total_q, total_k, offset, bottom_right, right, SLOPES, stride_sb,
         stride_sh, BLOCK_M, CAUSAL, HAS_ALIBI, VARLEN, D)
@@ -810,7 +813,7 @@ def attn_bwd_dq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, LSE_L
             dq = _dq_tiles(q_t, do_t, k_ring, v_ring, k_bars, v_bars, k_desc, v_desc, dq, s_zero, n_lo, n_tiles,
                            n_lfull, n_full, b, hk, k_start, Sk, o_m, lse2, lo, delta, offset, span, qk_scale, scale,
                            softcap, slope, alibi_off, s_layout, op_layout, dtype, BLOCK_N, D, STAGES, V_STAGES, VARLEN,
-                           CAUSAL, HAS_WL, False, FUSE, HAS_SOFTCAP, HAS_ALIBI)
+                           CAUSAL, HAS_WL, False, FUSE_NEAR, HAS_SOFTCAP, HAS_ALIBI)
 
     mbarrier.invalidate(q_bar)
     invalidate_barriers(k_bars, STAGES)

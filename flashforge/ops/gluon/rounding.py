@@ -5,10 +5,11 @@ the subtraction that follows (`mul_rn`), so no unnormalised weight exceeds 1 (fl
 ends at 2**16).  Either way a Gluon forward and a portable backward (or the reverse) recompute
 the same P even where scores reach 1e7 and lse's ulp is 1 (`flashforge.ops.params`,
 "Log-sum-exp for the backward")."""
+from triton import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..triton.common import fused_score  # noqa: F401  (one rule for both families)
+from ..triton.common import fused_score  # (one rule for both families)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -28,6 +29,21 @@ def fms_rn(a, b, c):
     more instruction per element of c's broadcast."""
     return gl.inline_asm_elementwise("{ .reg .f32 t; neg.f32 t, $3; fma.rn.f32 $0, $1, $2, t; }", "=r,r,r,r",
                                      [a, gl.zeros_like(a) + b, c], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@constexpr_function
+def backward_fuse(dtype, NEAR, HAS_SOFTCAP=False, HAS_ALIBI=False):
+    """FUSE for a Gluon backward: `fused_score`'s rule, and float16 fused too where NEAR (the first
+    of lse_lo's launches, whose programs have every |lse2| below LO_FROM = 256).
+
+    Why float16 may fuse there: a weight float16 holds (>= 2**-24) has its exponent within 24 of
+    lse2, so |score| < 2**9, and the product's rounding that the forward keeps (`fused_score`)
+    moves such a score by at most ulp / 2 = 2**-16: fused, the backward's P differs from the
+    forward's by under 2**-16 in the exponent (1.1e-5 relative) and stays at most 2**(2**-16),
+    which float16 holds.  Past LO_FROM the ulp grows with lse2, so those programs stay rounded.
+    (The forward stays rounded: fusing it near 0 measured slower, benchmarks/RESULTS.md v0.9.17.)"""
+    return bool(fused_score(dtype, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI)
+                or (NEAR and dtype == gl.float16 and not (HAS_SOFTCAP or HAS_ALIBI)))
 
 
 @gluon.jit
