@@ -2,6 +2,7 @@
 
     python benchmarks/profile/ab_timing.py --tree old=.ab/old --tree new=. [--rounds 2] [--json PATH]
     python benchmarks/profile/ab_timing.py --tree off=. --tree on=. --tree-env off:FLASHFORGE_L2_SECTION=0
+    python benchmarks/profile/ab_timing.py --tree bf16=. --tree fp16=. --tree-dtype fp16=float16
 
 
 Each tree is a directory holding a `flashforge` package (e.g. `git archive <commit> flashforge | tar -x
@@ -99,6 +100,9 @@ def main() -> None:
     ap.add_argument("--features", action="store_true", help="also the GQA 32/8 and window 1023 rows")
     ap.add_argument("--tree-env", action="append", default=[],
                     help="NAME:KEY=VALUE, an environment variable for tree NAME's children (repeatable)")
+    ap.add_argument("--tree-dtype", action="append", default=[],
+                    help="NAME=DTYPE, tree NAME's dtype in place of --dtype (one tree twice: float16 against "
+                         "bfloat16 in ABBA order, so drift falls on both)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -109,10 +113,12 @@ def main() -> None:
         name, kv = item.split(":", 1)
         key, value = kv.split("=", 1)
         tree_env[name][key] = value
+    tree_dtype = dict(item.split("=", 1) for item in args.tree_dtype)
     results = {name: [] for name, _ in trees}
 
     def command(name, path):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tree", "x=x", "--dtype", args.dtype]
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tree", "x=x", "--dtype",
+               tree_dtype.get(name, args.dtype)]
         cmd += [a for o in args.only for a in ("--only", o)]
         cmd += (["--grid-only"] if args.grid_only else []) + (["--features"] if args.features else [])
         return cmd, dict(os.environ, PYTHONPATH=os.path.abspath(path), **tree_env[name])
