@@ -41,6 +41,18 @@ def shape(D: int, S: int):
     return 16384 // S, 2048 // D
 
 
+def row_tensors(D, S, div, dtype):
+    """A row's q, k, v (leaves that want gradients) and dO, on the GPU from seed 0."""
+    import torch
+    B, H = shape(D, S)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    k, v = (torch.randn(B, S, H // div, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+            for _ in range(2))
+    do = torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v, do
+
+
 def flops(D, S, causal, mode, window=None):
     from flashforge.benchmark.flops import visible_pairs
     B, H = shape(D, S)
@@ -61,12 +73,7 @@ def child(dtype_name: str, grid_only: bool, only: list[str], features: bool) -> 
         name = label(D, S, causal, div, window)
         if only and name not in only:
             continue
-        B, H = shape(D, S)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        k, v = (torch.randn(B, S, H // div, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-                for _ in range(2))
-        do = torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=gen)
+        q, k, v, do = row_tensors(D, S, div, dtype)
 
         def fwd():
             with torch.no_grad():

@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab_timing import FEATURE_ROWS, ROWS, label, shape  # noqa: E402
+from ab_timing import FEATURE_ROWS, ROWS, label, row_tensors  # noqa: E402
 
 
 def main() -> None:
@@ -36,12 +36,7 @@ def main() -> None:
         if name not in known:
             sys.exit(f"row {name!r}: not one of {sorted(known)}")
         D, S, causal, div, window = known[name]
-        B, H = shape(D, S)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-        k, v = (torch.randn(B, S, H // div, D, device="cuda", dtype=dtype, generator=gen).requires_grad_()
-                for _ in range(2))
-        do = torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=gen)
+        q, k, v, do = row_tensors(D, S, div, dtype)
 
         def step():
             o = flashforge.attention(q, k, v, causal=causal, window=window)
