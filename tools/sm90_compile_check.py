@@ -128,7 +128,7 @@ def compile_all(log, found=None):
             mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "fma"
             res = _resources(kernel.asm["cubin"])
             if SASS_DIR:
-                res += " " + _dump_sass(kernel.asm["cubin"], fn.__name__, consts)
+                res += " " + _dump_sass(kernel.asm["cubin"], fn.__name__, consts, kernel.asm)
             if WGMMA_CHECK and mma == "wgmma" and source is GluonASTSource:
                 res += " " + _wgmma_serialized(ptx)
             print(f"ok   {fn.__name__:28s} {time.perf_counter() - t0:5.1f}s {mma:5s} "
@@ -176,9 +176,10 @@ def _wgmma_serialized(ptx: str) -> str:
     return f"wgmma=SERIALIZED({why.group(1)})" if why else "wgmma=ok"
 
 
-def _dump_sass(cubin: bytes, name: str, consts) -> str:
-    """The kernel's SASS into SASS_DIR (one file a variant, numbered in compile order), and its
-    spill traffic: the LDL and STL instructions in it (a partition's own count shows in the file)."""
+def _dump_sass(cubin: bytes, name: str, consts, asm=None) -> str:
+    """The kernel's SASS into SASS_DIR (one file a variant, numbered in compile order), its PTX and
+    TTGIR beside it (the same stem: where a SASS instruction came from), and its spill traffic: the
+    LDL and STL instructions in it (a partition's own count shows in the file)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -191,6 +192,10 @@ def _dump_sass(cubin: bytes, name: str, consts) -> str:
     path = os.path.join(SASS_DIR, f"{len(os.listdir(SASS_DIR)):03d}_{name}.sass")
     with open(path, "w") as out:
         out.write(f"// {_flags(consts)}\n{sass}")
+    for kind in ("ptx", "ttgir"):
+        if asm is not None and kind in asm:
+            with open(path[:-len(".sass")] + "." + kind, "w") as out:
+                out.write(asm[kind])
     ldl, stl = (len(re.findall(rf"\b{op}\b", sass)) for op in ("LDL", "STL"))
     return f"ldl={ldl} stl={stl} sass={path}"
 
