@@ -128,7 +128,7 @@ def compile_all(log, found=None):
             mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "fma"
             res = _resources(kernel.asm["cubin"])
             if SASS_DIR:
-                res += " " + _dump_sass(kernel.asm["cubin"], fn.__name__, consts, kernel.asm)
+                res += " " + _dump_sass(kernel.asm, fn.__name__, consts)
             if WGMMA_CHECK and mma == "wgmma" and source is GluonASTSource:
                 res += " " + _wgmma_serialized(ptx)
             print(f"ok   {fn.__name__:28s} {time.perf_counter() - t0:5.1f}s {mma:5s} "
@@ -176,13 +176,13 @@ def _wgmma_serialized(ptx: str) -> str:
     return f"wgmma=SERIALIZED({why.group(1)})" if why else "wgmma=ok"
 
 
-def _dump_sass(cubin: bytes, name: str, consts, asm=None) -> str:
+def _dump_sass(asm: dict, name: str, consts) -> str:
     """The kernel's SASS into SASS_DIR (one file a variant, numbered in compile order), its PTX and
     TTGIR beside it (the same stem: where a SASS instruction came from), and its spill traffic: the
     LDL and STL instructions in it (a partition's own count shows in the file)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
+        f.write(asm["cubin"])
         f.flush()
         try:
             sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
@@ -193,9 +193,8 @@ def _dump_sass(cubin: bytes, name: str, consts, asm=None) -> str:
     with open(path, "w") as out:
         out.write(f"// {_flags(consts)}\n{sass}")
     for kind in ("ptx", "ttgir"):
-        if asm is not None and kind in asm:
-            with open(path[:-len(".sass")] + "." + kind, "w") as out:
-                out.write(asm[kind])
+        with open(path[:-len(".sass")] + "." + kind, "w") as out:
+            out.write(asm[kind])
     ldl, stl = (len(re.findall(rf"\b{op}\b", sass)) for op in ("LDL", "STL"))
     return f"ldl={ldl} stl={stl} sass={path}"
 
