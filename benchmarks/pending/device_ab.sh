@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (one device call, carry [".ab"] after prepare.sh): the patched tree's GPU
-# tests of the half-dQ kernel, then the A/B main / 0001 / 0001+0002 over the D = 64 and D = 128
-# training rows (bf16, one process a tree, ROUNDS rounds). Results under $OUT.
+# tests of the half-dQ kernel, then the A/B main / 0001+0002 / 0001+0002 with D = 128 staggered
+# (.ab/d128ov.json) over the D = 64 and D = 128 training rows and window 1023 (bf16, one process a tree, ROUNDS rounds). Results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
@@ -16,8 +16,8 @@ grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
 grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -20
 O=()
 for r in "D64 S1024" "D64 S4096" "D64 S4096 causal" "D64 S16384" "D64 S16384 causal" "D128 S1024" "D128 S4096" \
-         "D128 S4096 causal" "D128 S16384" "D128 S16384 causal" "D128 S4096 causal GQA 4"; do O+=(--only "$r"); done
-timeout -k 5 "${AB_LIMIT:-330}" python benchmarks/profile/ab_timing.py --tree main=.ab/pend_main --tree p1=.ab/pend_1 \
-    --tree p12=.ab/pend_12 --rounds "${ROUNDS:-4}" --grid-only --features "${O[@]}" --child-timeout 100 \
+         "D128 S4096 causal" "D128 S16384" "D128 S16384 causal" "D128 S4096 causal GQA 4" "D128 S16384 causal window 1023"; do O+=(--only "$r"); done
+timeout -k 5 "${AB_LIMIT:-330}" python benchmarks/profile/ab_timing.py --tree main=.ab/pend_main --tree p12=.ab/pend_12 \
+    --tree p12ov=.ab/pend_12 --tree-env p12ov:FLASHFORGE_TILE_CONFIGS=$PWD/.ab/d128ov.json --rounds "${ROUNDS:-4}" --grid-only --features "${O[@]}" --child-timeout 100 \
     --json "$OUT/ab_pending.json" > "$OUT/ab_pending.txt" 2>&1
 tail -30 "$OUT/ab_pending.txt"
