@@ -125,6 +125,7 @@ def compile_all(log, found=None):
                 raise RuntimeError(f"needs {kernel.metadata.shared} B of shared memory; sm_{TARGET.arch} "
                                    f"gives a block at most {SMEM_LIMIT} B")
             ptx = kernel.asm["ptx"]
+            _check_named_barrier_ids(ptx)
             mma = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "fma"
             res = _resources(kernel.asm["cubin"])
             if SASS_DIR:
@@ -154,6 +155,17 @@ def _root_cause(e) -> str:
 ONLY = ""  # --only: compile only the kernels whose name contains this
 SASS_DIR = ""  # --sass: write each kernel's SASS there
 WGMMA_CHECK = False  # --wgmma: ask ptxas, for each Gluon kernel, whether it serialized the wgmma pipeline
+
+
+def _check_named_barrier_ids(ptx: str) -> None:
+    """Triton's own named barriers (literal ids in the PTX) stay below the ids the kernels take
+    for theirs (`flashforge.ops.gluon.named_barrier.FIRST_ID`, given as registers): a Triton
+    that used more would make the two share a barrier, and the kernels hang or race."""
+    from flashforge.ops.gluon.named_barrier import FIRST_ID
+    ids = {int(i) for i in re.findall(r"\b(?:bar|barrier)\.(?:cta\.)?(?:sync|arrive|red\.\w+)(?:\.aligned)?\s+(\d+)", ptx)}
+    clash = sorted(i for i in ids if i >= FIRST_ID.value)
+    if clash:
+        raise RuntimeError(f"Triton's PTX uses named barrier ids {clash}; flashforge's start at {FIRST_ID.value}")
 
 
 def _wgmma_serialized(ptx: str) -> str:

@@ -30,13 +30,22 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_dkdv_ws_sm90 import _half_masks, _lo_launch, _resident_kv, _store_dq, _tile_masked, _tile_rows
+from .attention_bwd_dkdv_ws_sm90 import _half_masks, _lo_launch, _put_dq, _resident_kv, _store_dq, _tile_masked, _tile_rows
+from .named_barrier import FIRST_ID, named_arrive, named_sync
 from .pipeline import copy_out, copy_pair, key_block, query_window, reduce_out, wait
 from .rounding import LOG2E, backward_fuse, exponent, mul_rn
 from .scores import modified_score
 from .ws_pipeline import HALF
 
 DS_STAGES = gl.constexpr(2)  # dS^T slots a consumer: tile t + 1's is stored while tile t's dQ reads
+# Named barriers of the lockstep (not DEFER) form, `named_barrier`: consumer c's dS^T of a tile in
+# slot s stored (DS_READY + 2 c + s: c's 128 threads arrive, the other's 128 sync), and each
+# consumer c's dQ part handed to the writer warp (DQ_FULL + c) and back (DQ_EMPTY + c; 128 + 32
+# threads).  A barrier a slot: c arrives on DS_READY + 2 c + s again two tiles on, after it has
+# met the other's arrival of the tile between, which the other made after its sync of this one.
+DS_READY = gl.constexpr(FIRST_ID)
+DQ_FULL = gl.constexpr(FIRST_ID + 4)
+DQ_EMPTY = gl.constexpr(FIRST_ID + 6)
 
 
 @gluon.jit
@@ -184,11 +193,17 @@ def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring, v_rin
             dst = dst * (1.0 - tc * tc)
         dst16 = dst.to(dtype)
         s = t % DS_STAGES
-        if t >= DS_STAGES:  # both consumers' dQ of tile t - DS_STAGES have read this slot
-            mbarrier.wait(ds_free.index(s), (t // DS_STAGES - 1) & 1)
+        if DEFER:
+            if t >= DS_STAGES:  # both consumers' dQ of tile t - DS_STAGES have read this slot
+                mbarrier.wait(ds_free.index(s), (t // DS_STAGES - 1) & 1)
+        # (lockstep: the other's arrival of tile t - 1, awaited there, came after its dQ product
+        # of tile t - 2 retired, so this slot is free)
         _store_ds(dst16, ds_mine, s, BLOCK_M)
         fence_async_shared()
-        mbarrier.arrive(ds_ready.index(s), count=1)
+        if DEFER:
+            mbarrier.arrive(ds_ready.index(s), count=1)
+        else:
+            named_arrive(DS_READY + 2 * ME + s, 256)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dst_op = gl.convert_layout(dst16, op_layout)
         dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
@@ -207,13 +222,20 @@ def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring, v_rin
         else:
             u = t
             sp = s
-            mbarrier.wait(ds_ready.index(s), (t // DS_STAGES) & 1)  # the other's dS^T of this tile stored too
+            named_sync(DS_READY + 2 * (1 - ME) + s, 256)  # the other's dS^T of this tile stored too
             dq = _dq_part(ds_mine, ds_other, k_t, k_o, s, dq_zero, ME, BLOCK_M)
         dq, dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dq, dv, dk, pt_op, dst_op))
         mbarrier.arrive(empty.index(t % STAGES), count=1)
-        if u >= 0:
-            mbarrier.arrive(ds_free.index(sp), count=1)
-            _store_dq(dq * scale, dq_smem, dq_full, dq_empty, u, HALF, HALF, DQ_N)
+        if DEFER:
+            if u >= 0:
+                mbarrier.arrive(ds_free.index(sp), count=1)
+                _store_dq(dq * scale, dq_smem, dq_full, dq_empty, u, HALF, HALF, DQ_N)
+        else:
+            # the writer's arrival after part t - 1 (it skips the last part's: nobody waits)
+            if t > 0:
+                named_sync(DQ_EMPTY + ME, 160)
+            _put_dq(dq * scale, dq_smem, HALF, HALF, DQ_N)
+            named_arrive(DQ_FULL + ME, 160)
     if T > 0:
         if DEFER:  # the last tile's dQ part
             s_last = (T - 1) % DS_STAGES
@@ -223,7 +245,11 @@ def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring, v_rin
             mbarrier.arrive(ds_free.index(s_last), count=1)
             _store_dq(dq * scale, dq_smem, dq_full, dq_empty, T - 1, HALF, HALF, DQ_N)
         # K's buffer takes dK: the other's last dQ must have read it
-        mbarrier.wait(ds_free.index((T - 1) % DS_STAGES), ((T - 1) // DS_STAGES) & 1)
+        if DEFER:
+            mbarrier.wait(ds_free.index((T - 1) % DS_STAGES), ((T - 1) // DS_STAGES) & 1)
+        else:  # (as a tile T's dS^T: the arrival says this consumer's products are done)
+            named_arrive(DS_READY + 2 * ME + T % DS_STAGES, 256)
+            named_sync(DS_READY + 2 * (1 - ME) + T % DS_STAGES, 256)
     k_smem.reshape([HALF, D]).store((dk * scale).to(dtype))
     v_smem.reshape([HALF, D]).store(dv.to(dtype))
     fence_async_shared()
@@ -278,21 +304,22 @@ def _stats_loader(q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_
 
 @gluon.jit
 def _part_writer(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt, mt_lo,
-                 BLOCK_M: gl.constexpr, DQ_N: gl.constexpr, VARLEN: gl.constexpr):
+                 BLOCK_M: gl.constexpr, DQ_N: gl.constexpr, VARLEN: gl.constexpr, NAMED: gl.constexpr):
     """Each tile's two dQ parts into the float32 accumulator by the copy engine's reduce-add; a
-    part's buffer goes back to its consumer once the reduces have read it."""
+    part's buffer goes back to its consumer once the reduces have read it.  NAMED: the hand-offs
+    are named barriers (the lockstep consumers'), else mbarriers."""
     n_mt_div = gl.maximum(n_mt, 1)
     for t in range(T):
         m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
-        _reduce_part(dq_desc, dq_smem0, dq_full.index(0), dq_empty.index(0), t, b, m, h, q_start, Sq, 0, BLOCK_M,
-                     DQ_N, VARLEN)
-        _reduce_part(dq_desc, dq_smem1, dq_full.index(1), dq_empty.index(1), t, b, m, h, q_start, Sq, 1, BLOCK_M,
-                     DQ_N, VARLEN)
+        _reduce_part(dq_desc, dq_smem0, dq_full.index(0), dq_empty.index(0), t, T, b, m, h, q_start, Sq, 0, BLOCK_M,
+                     DQ_N, VARLEN, NAMED)
+        _reduce_part(dq_desc, dq_smem1, dq_full.index(1), dq_empty.index(1), t, T, b, m, h, q_start, Sq, 1, BLOCK_M,
+                     DQ_N, VARLEN, NAMED)
 
 
 @gluon.jit
-def _reduce_part(dq_desc, buf, full, empty, use, b, m, h, q_start, Sq, ME: gl.constexpr, BLOCK_M: gl.constexpr,
-                 DQ_N: gl.constexpr, VARLEN: gl.constexpr):
+def _reduce_part(dq_desc, buf, full, empty, use, T, b, m, h, q_start, Sq, ME: gl.constexpr, BLOCK_M: gl.constexpr,
+                 DQ_N: gl.constexpr, VARLEN: gl.constexpr, NAMED: gl.constexpr):
     # consumer ME's part (rows or columns, `_dq_part`) once written; rows past the sequence's end
     # are clipped by the copy engine
     if BLOCK_M == 128:
@@ -301,11 +328,21 @@ def _reduce_part(dq_desc, buf, full, empty, use, b, m, h, q_start, Sq, ME: gl.co
     else:
         row = m
         col = ME * HALF
-    mbarrier.wait(full, use & 1)
+    if NAMED:
+        named_sync(DQ_FULL + ME, 160)
+    else:
+        mbarrier.wait(full, use & 1)
     for p in gl.static_range(HALF // DQ_N):
         reduce_out(dq_desc, b, row, h, col + p * DQ_N, q_start, Sq, buf.index(p), VARLEN)
     tma.store_wait(0)
-    mbarrier.arrive(empty, count=1)
+    if NAMED:
+        # (the consumer waits before its parts 1 .. T - 1: an arrival after the last would be
+        # left over; the copy's issuing lane arrives only after its wait, and the barrier
+        # needs every lane)
+        if use < T - 1:
+            named_arrive(DQ_EMPTY + ME, 160)
+    else:
+        mbarrier.arrive(empty, count=1)
 
 
 @gluon.jit
@@ -394,5 +431,5 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
                              do_ring, ready, empty, lse_ring, delta_ring, LSE, DELTA, row_b, stride_lh, b, hk,
                              group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M, STAGES, VARLEN)),
             (_part_writer, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt,
-                            mt_lo, BLOCK_M, DQ_N, VARLEN)),
+                            mt_lo, BLOCK_M, DQ_N, VARLEN, not DEFER)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])

@@ -343,8 +343,15 @@ def _store_dq(dq, dq_smem, dq_full, dq_empty, use, BLOCK_M: gl.constexpr, D: gl.
     """A tile's dQ_t (scaled) into this consumer's buffer, its `use`-th, once the writer has handed
     the previous one to the copy engine, in boxes of DQ_N columns (a float32 TMA box is 32 wide):
     halves of the register tile, each thread's own registers (no data moves)."""
-    NP: gl.constexpr = D // DQ_N
     mbarrier.wait(dq_empty, (use & 1) ^ 1)
+    _put_dq(dq, dq_smem, BLOCK_M, D, DQ_N)
+    mbarrier.arrive(dq_full, count=1)
+
+
+@gluon.jit
+def _put_dq(dq, dq_smem, BLOCK_M: gl.constexpr, D: gl.constexpr, DQ_N: gl.constexpr):
+    """`_store_dq`'s stores and the fence that hands them to the copy engine."""
+    NP: gl.constexpr = D // DQ_N
     lo_half, hi_half = dq.reshape([BLOCK_M, 2, D // 2]).permute(0, 2, 1).split()
     if NP == 2:
         dq_smem.index(0).reshape([BLOCK_M, DQ_N]).store(lo_half)
@@ -357,7 +364,6 @@ def _store_dq(dq, dq_smem, dq_full, dq_empty, use, BLOCK_M: gl.constexpr, D: gl.
         dq_smem.index(2).reshape([BLOCK_M, DQ_N]).store(q2)
         dq_smem.index(3).reshape([BLOCK_M, DQ_N]).store(q3)
     fence_async_shared()
-    mbarrier.arrive(dq_full, count=1)
 
 
 @gluon.jit
