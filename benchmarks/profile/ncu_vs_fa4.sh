@@ -4,7 +4,8 @@
 # then ncu (--set full) of one launch of each backward's main kernel -- ours the half-dQ dK/dV kernel,
 # FA4's FlashAttentionBackwardSm90 -- and the headline metrics side by side.  Results under $OUT.
 #
-#     bash benchmarks/profile/ncu_vs_fa4.sh "D128 S4096 causal" "D64 S4096"
+#     NCU_N=2 bash benchmarks/profile/ncu_vs_fa4.sh "D128 S4096 causal" "D64 S4096" "D64 S1024"
+# (every row's kernels a step; ncu on the first NCU_N rows, default all)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 FA4_SITE="${FF_FA4_SITE:-$HOME/.cache/fa4/site}"
@@ -20,7 +21,7 @@ for impl in flashforge fa4; do
 done
 which ncu > /dev/null || { echo "no ncu"; exit 0; }
 METRICS="Duration|Compute \(SM\) Throughput|Issue Slots Busy|Executed Ipc Active|Registers Per|Achieved Occupancy|Shared Memory Configuration Size|Dynamic Shared Memory Per Block|Block Size|Grid Size|Warp Cycles Per Issued"
-for row in "$@"; do
+for row in "${@:1:${NCU_N:-$#}}"; do
     tag=$(echo "$row" | tr ' ' '_')
     for impl in flashforge fa4; do
         if [ "$impl" = fa4 ]; then k="regex:BackwardSm90"; else k="regex:attn_bwd_dkdv"; fi
