@@ -31,8 +31,12 @@ for row in "${@:1:${NCU_N:-$#}}"; do
             -o "$OUT/${impl}_$tag" python step_kernels.py --impl "$impl" --plain 2 "$row" > "$OUT/ncu_${impl}_$tag.log" 2>&1
         ncu --import "$OUT/${impl}_$tag.ncu-rep" --page details > "$OUT/details_${impl}_$tag.txt" 2>&1
         ncu --import "$OUT/${impl}_$tag.ncu-rep" --page raw --csv > "$OUT/raw_${impl}_$tag.csv" 2>&1
+        # per-instruction counters (stalls, bank conflicts, local traffic) of the SASS, for the lines that cost
+        ncu --import "$OUT/${impl}_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_${impl}_$tag.csv" 2>&1
         echo "== $row $impl: $(grep -m1 -oE '(attn_bwd_dkdv[A-Za-z0-9_]*|[A-Za-z0-9_]*BackwardSm90[A-Za-z0-9_]{0,20})' "$OUT/details_${impl}_$tag.txt")"
         grep -E "$METRICS" "$OUT/details_${impl}_$tag.txt" | sed 's/  */ /g' | head -14
         grep -E "Stall|stall" "$OUT/details_${impl}_$tag.txt" | head -4 | cut -c1-200
     done
 done
+# the device tool brings back a limited number of files: the text results in one archive, the reports beside it
+( cd "$OUT" && tar -czf ncu_vs_fa4_text.tar.gz --remove-files ./*.txt ./*.csv ./*.json ./*.log 2>/dev/null; ls -la )
