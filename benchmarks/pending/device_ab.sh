@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU machine (one device call, carry [".ab"] after prepare.sh): ab_timing base / new over
-# the training rows the patch touches (bf16, one process a tree, ROUNDS rounds), then the patched
-# tree's GPU tests of the fused backward.  Results under $OUT.  ~5-8 min with the defaults.
+# On the GPU machine (one device call, carry [".ab"] after prepare.sh): ab_timing base / new (0001)
+# over the training rows 0001 touches, then base / new / new2 (0001 + 0002) over the window 1023
+# row (bf16, one process a tree, ROUNDS rounds), then the patched tree's GPU tests of the fused
+# backward.  Results under $OUT.  ~6-9 min with the defaults.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
@@ -14,9 +15,13 @@ done
 timeout -k 5 "${AB_LIMIT:-250}" python benchmarks/profile/ab_timing.py --tree base=.ab/base --tree new=.ab/new \
     --rounds "${ROUNDS:-4}" --features "${O[@]}" --child-timeout 100 --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
 tail -30 "$OUT/ab.txt"
+timeout -k 5 "${AB2_LIMIT:-120}" python benchmarks/profile/ab_timing.py --tree base=.ab/base --tree new=.ab/new \
+    --tree new2=.ab/new2 --rounds "${ROUNDS:-4}" --features --only "D128 S16384 causal window 1023" --child-timeout 60 \
+    --json "$OUT/ab_window.json" > "$OUT/ab_window.txt" 2>&1
+tail -6 "$OUT/ab_window.txt"
 ( cd .ab/new_tree && FF_PARTS=tests FF_TEST_WORKERS=14 FF_TEST_LIMIT=${T_LIMIT:-300} FF_BUDGET=${T_LIMIT:-300} FF_RESERVE=0 \
   bash scripts/device.sh tests/test_bwd_stats.py tests/test_fused_bwd.py tests/test_extreme_logits.py tests/test_gluon_sm90.py \
-    -k "${TESTS_K:-test_bwd_stats or test_fused_bwd or extreme or (test_backward_against_reference and (table or halfdq or kv-fused-overlap or kv-ws-fused-s2 or shared-rs)) or (d256_backward and (table or kv-wide)) or far_negative or varlen_wide_dkdv or varlen_warp_specialized_dq or training_steps or long_backward or delta_comes}" \
+    -k "${TESTS_K:-test_bwd_stats or test_fused_bwd or extreme or (test_backward_against_reference and (table or halfdq or kv-fused-overlap or kv-ws-fused-s2 or shared-rs)) or (d256_backward and (table or kv-wide)) or far_negative or varlen_wide_dkdv or varlen_warp_specialized_dq or training_steps or long_backward or long_window or delta_comes}" \
     > "$OUT/tests_stdout.txt" 2>&1 )
 grep -E "passed|failed|error" "$OUT/pytest.log" | tail -2
 grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -20
