@@ -201,7 +201,9 @@ def _dump_sass(asm: dict, name: str, consts) -> str:
         except (OSError, subprocess.CalledProcessError):
             return "ldl=? stl=?"
     os.makedirs(SASS_DIR, exist_ok=True)
-    path = os.path.join(SASS_DIR, f"{len(os.listdir(SASS_DIR)):03d}_{name}.sass")
+    # (numbered by the .sass files only: each variant also leaves its .ptx and .ttgir there)
+    n = sum(f.endswith(".sass") for f in os.listdir(SASS_DIR))
+    path = os.path.join(SASS_DIR, f"{n:03d}_{name}.sass")
     with open(path, "w") as out:
         out.write(f"// {_flags(consts)}\n{sass}")
     for kind in ("ptx", "ttgir"):
