@@ -7,18 +7,21 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name --format=csv,noheader
+# PARTS picks what runs (all three do not fit one 600 s call): ab, window, tests.
+PARTS=" ${PARTS:-ab window tests} "
 O=()
 for r in "D64 S1024" "D64 S4096" "D64 S4096 causal" "D64 S16384" "D64 S16384 causal" "D128 S1024" "D128 S4096" \
          "D128 S4096 causal" "D128 S16384" "D128 S16384 causal" "D128 S4096 causal GQA 4" "D256 S4096"; do
     O+=(--only "$r")
 done
-timeout -k 5 "${AB_LIMIT:-250}" python benchmarks/profile/ab_timing.py --tree base=.ab/base --tree new=.ab/new \
+[[ $PARTS == *" ab "* ]] && { timeout -k 5 "${AB_LIMIT:-250}" python benchmarks/profile/ab_timing.py --tree base=.ab/base --tree new=.ab/new \
     --rounds "${ROUNDS:-4}" --features "${O[@]}" --child-timeout 100 --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
-tail -30 "$OUT/ab.txt"
-timeout -k 5 "${AB2_LIMIT:-120}" python benchmarks/profile/ab_timing.py --tree base=.ab/base --tree new=.ab/new \
+tail -30 "$OUT/ab.txt"; }
+[[ $PARTS == *" window "* ]] && { timeout -k 5 "${AB2_LIMIT:-120}" python benchmarks/profile/ab_timing.py --tree base=.ab/base --tree new=.ab/new \
     --tree new2=.ab/new2 --rounds "${ROUNDS:-4}" --features --only "D128 S16384 causal window 1023" --child-timeout 60 \
     --json "$OUT/ab_window.json" > "$OUT/ab_window.txt" 2>&1
-tail -6 "$OUT/ab_window.txt"
+tail -6 "$OUT/ab_window.txt"; }
+[[ $PARTS == *" tests "* ]] || exit 0
 ( cd .ab/new_tree && FF_PARTS=tests FF_TEST_WORKERS=14 FF_TEST_LIMIT=${T_LIMIT:-300} FF_BUDGET=${T_LIMIT:-300} FF_RESERVE=0 \
   bash scripts/device.sh tests/test_bwd_stats.py tests/test_fused_bwd.py tests/test_extreme_logits.py tests/test_gluon_sm90.py \
     -k "${TESTS_K:-test_bwd_stats or test_fused_bwd or extreme or (test_backward_against_reference and (table or halfdq or kv-fused-overlap or kv-ws-fused-s2 or shared-rs)) or (d256_backward and (table or kv-wide)) or far_negative or varlen_wide_dkdv or varlen_warp_specialized_dq or training_steps or long_backward or long_window or delta_comes}" \
