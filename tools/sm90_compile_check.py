@@ -382,6 +382,7 @@ def record(quick: bool):
                 launchers.get_config = lambda kind, d, e, interpret, ws_kv=ws_kv, **kw: (
                     ws_kv if kind == "bwd_kv" else real_get(kind, d, e, False, **kw))
                 run(D=D)
+                run(D=D, window_right=0)  # causal: the grid's masked training rows
                 run(D=D, window_left=40, window_right=0, softcap=20.0, dtype=torch.float16)
                 run(D=D, window_right=0, lo=False, alibi_slopes=torch.rand(2, 4))
                 run(B=1, Sq=256, Sk=256, D=D, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=150, max_seqlen_k=150,

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# On the GPU machine (one device call, carry [".ab"] after prepare.sh): ab_timing base / new (0001)
-# over the training rows 0001 touches, then base / new / new2 (0001 + 0002) over the window 1023
-# row (bf16, one process a tree, ROUNDS rounds), then the patched tree's GPU tests of the fused
-# backward.  Results under $OUT.  ~6-9 min with the defaults.
+# On the GPU machine (carry [".ab"] after prepare.sh): ab_timing base / new (0001) / new3 (0001 +
+# 0002 + 0003) over the training rows (new3 / new reads 0003 there: 0002 moves only the window row),
+# then the same trees over the window 1023 row (new3 / new reads 0002 there: 0003 leaves masked
+# kernels as they were), bf16, one process a tree, ROUNDS rounds; then the patched tree's GPU tests
+# of the fused backward.  Results under $OUT.  PARTS: two calls, "ab window" (~6 min at three
+# rounds) and "tests" (~5 min).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
@@ -14,11 +16,11 @@ for r in "D64 S1024" "D64 S4096" "D64 S4096 causal" "D64 S16384" "D64 S16384 cau
          "D128 S4096 causal" "D128 S16384" "D128 S16384 causal" "D128 S4096 causal GQA 4" "D256 S4096"; do
     O+=(--only "$r")
 done
-[[ $PARTS == *" ab "* ]] && { timeout -k 5 "${AB_LIMIT:-250}" python benchmarks/profile/ab_timing.py --tree base=.ab/base --tree new=.ab/new \
-    --rounds "${ROUNDS:-4}" --features "${O[@]}" --child-timeout 100 --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
+[[ $PARTS == *" ab "* ]] && { timeout -k 5 "${AB_LIMIT:-300}" python benchmarks/profile/ab_timing.py --tree base=.ab/base --tree new=.ab/new \
+    --tree new3=.ab/new3 --rounds "${ROUNDS:-3}" --features "${O[@]}" --child-timeout 100 --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
 tail -30 "$OUT/ab.txt"; }
 [[ $PARTS == *" window "* ]] && { timeout -k 5 "${AB2_LIMIT:-120}" python benchmarks/profile/ab_timing.py --tree base=.ab/base --tree new=.ab/new \
-    --tree new2=.ab/new2 --rounds "${ROUNDS:-4}" --features --only "D128 S16384 causal window 1023" --child-timeout 60 \
+    --tree new3=.ab/new3 --rounds "${ROUNDS:-3}" --features --only "D128 S16384 causal window 1023" --child-timeout 60 \
     --json "$OUT/ab_window.json" > "$OUT/ab_window.txt" 2>&1
 tail -6 "$OUT/ab_window.txt"; }
 [[ $PARTS == *" tests "* ]] || exit 0
