@@ -11,13 +11,15 @@ unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name --format=csv,noheader
 # PARTS picks what runs (all three do not fit one 600 s call): ab, window, tests.
 PARTS=" ${PARTS:-ab window tests} "
+T=()  # AB_TREES: the trees the A/B times (default all three)
+for t in ${AB_TREES:-base new new3}; do T+=(--tree "$t=.ab/$t"); done
 O=()
 for r in "D64 S1024" "D64 S4096" "D64 S4096 causal" "D64 S16384" "D64 S16384 causal" "D128 S1024" "D128 S4096" \
          "D128 S4096 causal" "D128 S16384" "D128 S16384 causal" "D128 S4096 causal GQA 4" "D256 S4096"; do
     O+=(--only "$r")
 done
-[[ $PARTS == *" ab "* ]] && { timeout -k 5 "${AB_LIMIT:-300}" python benchmarks/profile/ab_timing.py --tree base=.ab/base --tree new=.ab/new \
-    --tree new3=.ab/new3 --rounds "${ROUNDS:-3}" --features "${O[@]}" --child-timeout 100 --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
+[[ $PARTS == *" ab "* ]] && { timeout -k 5 "${AB_LIMIT:-300}" python benchmarks/profile/ab_timing.py "${T[@]}" \
+    --rounds "${ROUNDS:-3}" --features "${O[@]}" --child-timeout 100 --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
 tail -30 "$OUT/ab.txt"; }
 [[ $PARTS == *" window "* ]] && { timeout -k 5 "${AB2_LIMIT:-120}" python benchmarks/profile/ab_timing.py --tree base=.ab/base --tree new=.ab/new \
     --tree new3=.ab/new3 --rounds "${ROUNDS:-3}" --features --only "D128 S16384 causal window 1023" --child-timeout 60 \
