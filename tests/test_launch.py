@@ -72,7 +72,7 @@ def test_positional_constexprs_are_keyed_by_value():
     from flashforge.ops.triton.attention_bwd import attn_bwd_preprocess_kernel
     fn = getattr(attn_bwd_preprocess_kernel, "fn", attn_bwd_preprocess_kernel)
     names = list(inspect.signature(fn).parameters)
-    assert "constexpr" in str(inspect.signature(fn).parameters["DV"].annotation) and names.index("DV") == 13
+    assert "constexpr" in str(inspect.signature(fn).parameters["DV"].annotation) and names.index("DV") == 17
     kernel = triton_jit.JITFunction(_kernel_with_positional_constexpr)
     t = torch.zeros(8, dtype=torch.bfloat16)
 

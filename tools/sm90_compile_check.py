@@ -242,7 +242,7 @@ _KERNELS: dict = {}  # the real kernels, kept across record() calls (one per --a
 def record_launches(log: list) -> None:
     """Replace every kernel the launchers call (portable and Gluon) by a Recorder into `log`."""
     for name in ("attn_fwd_kernel", "attn_fwd_combine_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
-                 "attn_bwd_dq_kernel", "attn_bwd_dmask_kernel"):
+                 "attn_bwd_dq_kernel", "attn_bwd_dmask_kernel", "attn_bwd_dq_cast_kernel"):
         setattr(launchers, name, Recorder(_KERNELS.setdefault(name, getattr(launchers, name)), log))
     kvcache.kvcache_append_kernel = Recorder(_KERNELS.setdefault("append", kvcache.kvcache_append_kernel), log)
     gluon = _KERNELS.setdefault("gluon_fwd", gluon_launcher._kernel())

@@ -505,12 +505,18 @@ def far_flags(q, k, params: AttnParams, lse_lo, rec=replay.DIRECT):
 
 
 def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=None, inputs=None, lse_lo=None,
-                       far=None, dq_acc=None, rec=replay.DIRECT):
+                       far=None, dq_acc=None, lse2=None, rec=replay.DIRECT):
     """dK, dV [B, Sk, Hkv, D] for a call in the Gluon backward's scope (`bwd_call_in_scope`,
     `bwd_tiles_fit`); delta from the preprocess kernel or the dQ kernel; `inputs`: `input_descriptors`
-    with this cfg, or None to build them; `far`: `far_flags` as the dQ kernel filled them, or None
-    for this kernel to find them.  With `dq_acc` (zeroed float32 in q's shape; only where
-    `fuses_dq`), the kernel also adds dQ into it."""
+    with this cfg, or None to build them; `far`: `far_flags` as the dQ or preprocess kernel filled
+    them, or None for this kernel to find them.  With `dq_acc` (zeroed float32 in q's shape; only
+    where `fuses_dq`), the kernel also adds dS K into it, unscaled (the caller scales:
+    `triton.attention.dq_from_acc`).  The half-dQ and wide kernels (cfg.half_dq) read `lse2` (lse
+    in log2 units, 0 where a row sees no key) and, with lse_lo, a filled `far`: the preprocess
+    kernel's (`triton.attention.gluon_stats`)."""
+    if cfg.consumers == 2 and cfg.half_dq and (lse2 is None or (lse_lo is not None and far is None)):
+        raise ValueError("attention_bwd_dkdv: the half-dQ kernels need lse2 and, with lse_lo, far filled "
+                         "(triton.attention.gluon_stats and the preprocess kernel)")
     dkdv, _ = _bwd_kernels()
     Hq, D, Hkv = q.shape[2], q.shape[3], k.shape[2]
     dk = rec.fresh(torch.empty, k.shape, dtype=k.dtype, device=k.device)
@@ -529,6 +535,8 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, params: AttnParams, cfg, order=N
         args = (*(inputs or input_descriptors(q, k, v, do, params, cfg, "bwd_kv")), dk_desc, desc(dv, 64), lse,
                 lse if lse_lo is None else lse_lo, delta, far, s_lb, s_lh, cu_q, cu_k, order, Hq, Sq, Sk, tot_q, tot_k,
                 Hq // Hkv, offset, br, w["span"], _qk_scale(params.scale), *mod, dq_descriptor(dq_acc, params))
+        if cfg.half_dq:  # (the stats rings take lse2: `lse`'s place, which these kernels read for nothing else)
+            args = (*args[:6], lse2, *args[7:])
         if cfg.half_dq and D > 128:  # the wide kernel: each consumer stores D / 2 columns of dK and dV
             args = (*args[:4], desc(dk, 64, D // 2), desc(dv, 64, D // 2), *args[6:])
         for second in ((False,) if lse_lo is None else (False, True)):

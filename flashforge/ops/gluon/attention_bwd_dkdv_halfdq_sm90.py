@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .attention_bwd_dkdv_ws_sm90 import _half_masks, _lo_launch, _put_dq, _resident_kv, _store_dq, _tile_masked, _tile_rows
 from .named_barrier import FIRST_ID, named_arrive, named_sync
 from .pipeline import copy_out, copy_pair, key_block, query_window, reduce_out, wait
-from .rounding import LOG2E, backward_fuse, exponent, mul_rn
+from .rounding import backward_fuse, exponent
 from .scores import modified_score
 from .ws_pipeline import HALF
 
@@ -81,13 +81,12 @@ def _probs(st, cols, rows, m, nc, lse2, lo, Sk, offset, span, qk_scale, scale, s
 
 @gluon.jit
 def _tile_lse(lse_ring, LO, s, cols, n, layout: gl.constexpr, USE_LO: gl.constexpr):
-    """(lse in log2 units, its low part) of a tile's queries: lse from slot s of the ring the
-    loader fills (zeros past the sequence's end), the low part (second launch only) from global
-    memory at LO, this tile's first row (a third ring would take D = 128's three-stage tiles past
-    the shared memory).  lse is +inf past n queries, so P = 0 there; a fully masked row's -inf
-    shifts by 0 (`attention_bwd_sm90._lse2`'s meaning)."""
-    lse = lse_ring.index(s).load(layout)
-    lse2 = gl.where(cols < n, gl.where(lse == float("-inf"), 0.0, mul_rn(lse, LOG2E)), float("inf"))
+    """(lse in log2 units, its low part) of a tile's queries: lse2 (the preprocess kernel's: lse
+    scaled, a fully masked row's -inf as 0, `attention_bwd_sm90._lse2`'s meaning) from slot s of
+    the ring the loader fills (zeros past the sequence's end), the low part (second launch only)
+    from global memory at LO, this tile's first row (a third ring would take D = 128's three-stage
+    tiles past the shared memory).  lse2 is +inf past n queries, so P = 0 there."""
+    lse2 = gl.where(cols < n, lse_ring.index(s).load(layout), float("inf"))
     if USE_LO:
         lo = gl.load(LO + cols, mask=cols < n, other=0.0)
     else:
@@ -229,12 +228,12 @@ def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring, v_rin
         if DEFER:
             if u >= 0:
                 mbarrier.arrive(ds_free.index(sp), count=1)
-                _store_dq(dq * scale, dq_smem, dq_full, dq_empty, u, HALF, HALF, DQ_N)
+                _store_dq(dq, dq_smem, dq_full, dq_empty, u, HALF, HALF, DQ_N)
         else:
             # the writer's arrival after part t - 1 (it skips the last part's: nobody waits)
             if t > 0:
                 named_sync(DQ_EMPTY + ME, 160)
-            _put_dq(dq * scale, dq_smem, HALF, HALF, DQ_N)
+            _put_dq(dq, dq_smem, HALF, HALF, DQ_N)
             named_arrive(DQ_FULL + ME, 160)
     if T > 0:
         if DEFER:  # the last tile's dQ part
@@ -243,7 +242,7 @@ def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring, v_rin
             dq = _dq_part(ds_mine, ds_other, k_t, k_o, s_last, dq_zero, ME, BLOCK_M)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
             mbarrier.arrive(ds_free.index(s_last), count=1)
-            _store_dq(dq * scale, dq_smem, dq_full, dq_empty, T - 1, HALF, HALF, DQ_N)
+            _store_dq(dq, dq_smem, dq_full, dq_empty, T - 1, HALF, HALF, DQ_N)
         # K's buffer takes dK: the other's last dQ must have read it
         if DEFER:
             mbarrier.wait(ds_free.index((T - 1) % DS_STAGES), ((T - 1) // DS_STAGES) & 1)
@@ -276,9 +275,9 @@ def _half_consumer1(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_sm
 
 @gluon.jit
 def _stats_loader(q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_smem1, kv_bars, q_ring, do_ring, ready,
-                  empty, lse_ring, delta_ring, LSE, DELTA, row_b, stride_lh, b, hk, group, n0, k_start, Sk,
+                  empty, lse_ring, delta_ring, LSE2, DELTA, row_b, stride_lh, b, hk, group, n0, k_start, Sk,
                   q_start, Sq, T, n_mt, mt_lo, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
-    """`attention_bwd_dkdv_ws_sm90._kv_loader`'s copies, and with each query tile its lse and delta
+    """`attention_bwd_dkdv_ws_sm90._kv_loader`'s copies, and with each query tile its lse2 and delta
     into the stats rings, by asynchronous copies that complete on the tile's
     ready barrier (so the consumers read them from shared memory once Q and dO have landed).  Why:
     read by the consumers from global memory, their latency was the consumers' largest stall
@@ -295,7 +294,7 @@ def _stats_loader(q_desc, k_desc, v_desc, do_desc, k_smem0, v_smem0, k_smem1, v_
         m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, BLOCK_M)
         row0 = row_b + h.to(gl.int64) * stride_lh + m
         ok = idx < Sq - m
-        async_copy.async_copy_global_to_shared(lse_ring.index(s), LSE + row0 + idx, mask=ok)
+        async_copy.async_copy_global_to_shared(lse_ring.index(s), LSE2 + row0 + idx, mask=ok)
         async_copy.async_copy_global_to_shared(delta_ring.index(s), DELTA + row0 + idx, mask=ok)
         # (before the copy engine's expect-arrive: each thread's pending copies hold the phase open)
         async_copy.mbarrier_arrive(ready.index(s))
@@ -346,7 +345,7 @@ def _reduce_part(dq_desc, buf, full, empty, use, T, b, m, h, q_start, Sq, ME: gl
 
 
 @gluon.jit
-def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR,
+def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE2, LSE_LO, DELTA, FAR,
                                      stride_lb, stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group,
                                      offset, bottom_right, span, qk_scale, scale, softcap, SLOPES, stride_sb,
                                      stride_sh, right, dq_desc, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
@@ -355,11 +354,13 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
                                      HAS_LO: gl.constexpr, LO_PASS: gl.constexpr, FAR_READY: gl.constexpr,
                                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                                      DEFER: gl.constexpr, num_warps: gl.constexpr):
-    """dK, dV of one 128-key block and its adds to dQ; the arguments mean
+    """dK, dV of one 128-key block and its adds to dQ (unscaled); the arguments mean
     `attn_bwd_dkdv_ws_sm90_kernel`'s (k, v, dK, dV boxes: one consumer's 64 rows; q, dO boxes:
-    BLOCK_M rows, 128 at D = 64 and 64 at D = 128)."""
+    BLOCK_M rows, 128 at D = 64 and 64 at D = 128), but LSE2 is lse in log2 units (the preprocess
+    kernel's) and, with lse_lo, FAR comes filled (FAR_READY): no program scans lse."""
     gl.static_assert(((BLOCK_M == 128) & (D == 64)) | ((BLOCK_M == 64) & (D == 128)),
                      "128-query tiles at D = 64, 64-query tiles at D = 128")
+    gl.static_assert(FAR_READY or not HAS_LO, "with lse_lo, FAR comes filled (LSE2 is not lse: no scan)")
     dtype: gl.constexpr = q_desc.dtype
     DQ_N: gl.constexpr = dq_desc.block_type.shape[len(dq_desc.block_type.shape) - 1]
     BLOCK_N: gl.constexpr = 2 * HALF
@@ -375,7 +376,7 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
     USE_LO: gl.constexpr = LO_PASS
     # the first launch's active programs are those with every |lse2| < LO_FROM (`_lo_launch`)
     NEAR: gl.constexpr = HAS_LO and not LO_PASS
-    T, active = _lo_launch(FAR, LSE, bh, row_b, stride_lh, hk, group, Sq, n0, T, HAS_LO, LO_PASS, FAR_READY, num_warps)
+    T, active = _lo_launch(FAR, LSE2, bh, row_b, stride_lh, hk, group, Sq, n0, T, HAS_LO, LO_PASS, FAR_READY, num_warps)
 
     # one-slot rings: the consumers index them in their loops (see _half_consumer)
     k_ring0 = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
@@ -428,7 +429,7 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
                                STAGES, VARLEN, USE_LO, DQ_N, DEFER, NEAR)),
             (_stats_loader, (q_desc, k_desc, v_desc, do_desc, k_ring0.index(0), v_ring0.index(0), k_ring1.index(0),
                              v_ring1.index(0), kv_bars, q_ring,
-                             do_ring, ready, empty, lse_ring, delta_ring, LSE, DELTA, row_b, stride_lh, b, hk,
+                             do_ring, ready, empty, lse_ring, delta_ring, LSE2, DELTA, row_b, stride_lh, b, hk,
                              group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo, BLOCK_M, STAGES, VARLEN)),
             (_part_writer, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt,
                             mt_lo, BLOCK_M, DQ_N, VARLEN, not DEFER)),

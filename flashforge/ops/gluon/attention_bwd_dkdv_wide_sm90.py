@@ -164,11 +164,11 @@ def _wide_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_sme
         mbarrier.arrive(empty.index(0), count=1)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
         mbarrier.wait(dq_empty, (t & 1) ^ 1)  # the writer has handed the previous tile's parts on
-        _stage_dq(dq * scale, dq_smem, 0, ROWS, DQ_N)
+        _stage_dq(dq, dq_smem, 0, ROWS, DQ_N)
         dq = warpgroup_mma(ds_smem, k_hi, dq_zero, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
         mbarrier.arrive(pds_free, count=1)
-        _stage_dq(dq * scale, dq_smem, 2, ROWS, DQ_N)
+        _stage_dq(dq, dq_smem, 2, ROWS, DQ_N)
         fence_async_shared()
         mbarrier.arrive(dq_full, count=1)
     # dK, dV columns through the Q and dO slot (reinterpreted as two [64, DH] boxes each) once
@@ -202,7 +202,7 @@ def _wide_consumer1(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_sm
 
 @gluon.jit
 def _wide_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty, lse_ring,
-                 delta_ring, LSE, DELTA, row_b, stride_lh, b, hk, group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo,
+                 delta_ring, LSE2, DELTA, row_b, stride_lh, b, hk, group, n0, k_start, Sk, q_start, Sq, T, n_mt, mt_lo,
                  VARLEN: gl.constexpr):
     """K and V once; then each query tile's Q and dO into the one slot once both consumers are
     done with the previous tile, its lse and delta with them (`_stats_loader`'s scheme:
@@ -216,7 +216,7 @@ def _wide_loader(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, kv_bar, q_ring
         m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, ROWS)
         row0 = row_b + h.to(gl.int64) * stride_lh + m
         ok = idx < Sq - m
-        async_copy.async_copy_global_to_shared(lse_ring.index(0), LSE + row0 + idx, mask=ok)
+        async_copy.async_copy_global_to_shared(lse_ring.index(0), LSE2 + row0 + idx, mask=ok)
         async_copy.async_copy_global_to_shared(delta_ring.index(0), DELTA + row0 + idx, mask=ok)
         # (before the copy engine's expect-arrive: each thread's pending copies hold the phase open)
         async_copy.mbarrier_arrive(ready.index(0))
@@ -251,7 +251,7 @@ def _wide_writer(dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q
 
 
 @gluon.jit
-def attn_bwd_dkdv_wide_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, LSE_LO, DELTA, FAR,
+def attn_bwd_dkdv_wide_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE2, LSE_LO, DELTA, FAR,
                                    stride_lb, stride_lh, CU_Q, CU_K, ORDER, Hq, Sq, Sk, total_q, total_k, group,
                                    offset, bottom_right, span, qk_scale, scale, softcap, SLOPES, stride_sb,
                                    stride_sh, right, dq_desc, CAUSAL: gl.constexpr, HAS_WL: gl.constexpr,
@@ -259,10 +259,11 @@ def attn_bwd_dkdv_wide_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                    VARLEN: gl.constexpr, HAS_LO: gl.constexpr, LO_PASS: gl.constexpr,
                                    FAR_READY: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                                    num_warps: gl.constexpr):
-    """dK, dV of one 64-key block and its adds to dQ; the arguments mean
+    """dK, dV of one 64-key block and its adds to dQ (unscaled); the arguments mean
     `attn_bwd_dkdv_ws_sm90_kernel`'s (q, k, v, dO boxes: 64 rows, D wide; dK, dV boxes: 64 rows,
-    D / 2 wide, one consumer's columns)."""
+    D / 2 wide, one consumer's columns), but LSE2 and FAR as the half-dQ kernel's."""
     gl.static_assert(D == 256, "the wide kernel serves D = 256")
+    gl.static_assert(FAR_READY or not HAS_LO, "with lse_lo, FAR comes filled (LSE2 is not lse: no scan)")
     dtype: gl.constexpr = q_desc.dtype
     DQ_N: gl.constexpr = dq_desc.block_type.shape[len(dq_desc.block_type.shape) - 1]
     bh, b, hk, n0, q_start, Sq, k_start, Sk, offset, row_b = key_block(CU_Q, CU_K, ORDER, Hq, group, Sq, Sk, total_q,
@@ -274,7 +275,7 @@ def attn_bwd_dkdv_wide_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     T = n_mt * group
     # lse_lo's two launches, as the other dK/dV kernels'
     USE_LO: gl.constexpr = LO_PASS
-    T, active = _lo_launch(FAR, LSE, bh, row_b, stride_lh, hk, group, Sq, n0, T, HAS_LO, LO_PASS, FAR_READY, num_warps)
+    T, active = _lo_launch(FAR, LSE2, bh, row_b, stride_lh, hk, group, Sq, n0, T, HAS_LO, LO_PASS, FAR_READY, num_warps)
 
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -323,7 +324,7 @@ def attn_bwd_dkdv_wide_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                n_masked, n_lfull, row_b, stride_lh, qk_scale, scale, softcap, SL, stride_sh,
                                alibi_off, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, D, VARLEN, USE_LO, DQ_N)),
             (_wide_loader, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, kv_bar, q_ring, do_ring, ready, empty,
-                            lse_ring, delta_ring, LSE, DELTA, row_b, stride_lh, b, hk, group, n0, k_start, Sk,
+                            lse_ring, delta_ring, LSE2, DELTA, row_b, stride_lh, b, hk, group, n0, k_start, Sk,
                             q_start, Sq, T, n_mt, mt_lo, VARLEN)),
             (_wide_writer, (dq_desc, dq_smem0, dq_smem1, dq_full, dq_empty, b, hk, group, q_start, Sq, T, n_mt, mt_lo,
                             D, DQ_N, VARLEN)),

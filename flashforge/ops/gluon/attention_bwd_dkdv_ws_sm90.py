@@ -152,7 +152,7 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
                 dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
                 dq = warpgroup_mma_wait(2, deps=(dq, ))
                 mbarrier.arrive(ds_free_other, count=1)
-                _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t // 2, BLOCK_M, D, DQ_N)
+                _store_dq(dq, dq_smem, dq_full, dq_empty, t // 2, BLOCK_M, D, DQ_N)
             else:
                 dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
                 dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
@@ -166,7 +166,7 @@ def _kv_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
             dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
             dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
             dq = warpgroup_mma_wait(2, deps=(dq, ))
-            _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t, BLOCK_M, D, DQ_N)
+            _store_dq(dq, dq_smem, dq_full, dq_empty, t, BLOCK_M, D, DQ_N)
     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
     _dkdv_out(dk, dv, dk_desc, dv_desc, k_smem, v_smem, empty, ds_free, b, nc, hk, k_start, Sk, T, scale, ME, D,
               STAGES, VARLEN, SHARED_DQ, True)
@@ -245,7 +245,7 @@ def _rs_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
                 dq, dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dq, dv, dk, pt_op, dst_op))
                 mbarrier.arrive(ds_free_other, count=1)
                 mbarrier.arrive(empty.index(t % STAGES), count=1)
-                _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t // 2, BLOCK_M, D, DQ_N)
+                _store_dq(dq, dq_smem, dq_full, dq_empty, t // 2, BLOCK_M, D, DQ_N)
             else:
                 dv = warpgroup_mma(pt_op, do_s, dv, is_async=True)
                 dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
@@ -257,7 +257,7 @@ def _rs_consumer(dk_desc, dv_desc, LSE, LSE_LO, DELTA, k_smem, v_smem, kv_bar, q
             dk = warpgroup_mma(dst_op, q_s, dk, is_async=True)
             dq, dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dq, dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(t % STAGES), count=1)
-            _store_dq(dq * scale, dq_smem, dq_full, dq_empty, t, BLOCK_M, D, DQ_N)
+            _store_dq(dq, dq_smem, dq_full, dq_empty, t, BLOCK_M, D, DQ_N)
     _dkdv_out(dk, dv, dk_desc, dv_desc, k_smem, v_smem, empty, ds_free, b, nc, hk, k_start, Sk, T, scale, ME, D,
               STAGES, VARLEN, SHARED_DQ, False)
 
@@ -340,7 +340,7 @@ def _dkdv_out(dk, dv, dk_desc, dv_desc, k_smem, v_smem, empty, ds_free, b, nc, h
 
 @gluon.jit
 def _store_dq(dq, dq_smem, dq_full, dq_empty, use, BLOCK_M: gl.constexpr, D: gl.constexpr, DQ_N: gl.constexpr):
-    """A tile's dQ_t (scaled) into this consumer's buffer, its `use`-th, once the writer has handed
+    """A tile's dQ_t (unscaled: the caller scales the sum) into this consumer's buffer, its `use`-th, once the writer has handed
     the previous one to the copy engine, in boxes of DQ_N columns (a float32 TMA box is 32 wide):
     halves of the register tile, each thread's own registers (no data moves)."""
     mbarrier.wait(dq_empty, (use & 1) ^ 1)

@@ -196,8 +196,8 @@ def _stage_ds(dst, ds_smem, dtype: gl.constexpr):
 @gluon.jit
 def _dq_out(dq, c, t, n_mt, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M: gl.constexpr,
             DQ_N: gl.constexpr, VARLEN: gl.constexpr):
-    """FUSED_DQ: columns [c * DQ_N, (c + 1) * DQ_N) of tile t's dQ_t = dS K (unscaled), scaled,
-    through shared-memory buffer c into the float32 dQ accumulator of its head's rows by the copy
+    """FUSED_DQ: columns [c * DQ_N, (c + 1) * DQ_N) of tile t's dQ_t = dS K (unscaled: the caller
+    scales the sum once, `triton.attention.dq_from_acc`), through shared-memory buffer c into the float32 dQ accumulator of its head's rows by the copy
     engine's reduce-add (bulk, asynchronous; the order of the programs' adds varies, so
     deterministic=True never takes this path).  Rows past the sequence's end are not touched.
     The caller waits (`tma.store_wait`) until the buffer's previous reduce has read it."""
@@ -205,7 +205,7 @@ def _dq_out(dq, c, t, n_mt, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq
     m0 = (mt_lo + t - g * n_mt) * BLOCK_M
     h = hk * group + g
     buf = dq_smem.index(c)
-    buf.reshape([BLOCK_M, DQ_N]).store(dq * scale)
+    buf.reshape([BLOCK_M, DQ_N]).store(dq)
     fence_async_shared()
     reduce_out(dq_desc, b, m0, h, c * DQ_N, q_start, Sq, buf, VARLEN)
 

@@ -20,7 +20,7 @@ from ..gluon import attention as gluon_attention
 from ..launch import cdiv, launch, next_power_of_2
 from ..params import AttnParams
 from ..tma import tma_ready
-from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bwd_dq_kernel,
+from .attention_bwd import (attn_bwd_dkdv_kernel, attn_bwd_dmask_kernel, attn_bwd_dq_cast_kernel, attn_bwd_dq_kernel,
                             attn_bwd_preprocess_kernel)
 from .attention_fwd import attn_fwd_combine_kernel, attn_fwd_kernel
 from .configs import generation, get_config, gluon_config, head_dim_block, with_mask
@@ -347,6 +347,30 @@ def _gluon_backward(q, k, v, do, lse, mask, params: AttnParams, cfg_kv, cfg_q, a
     return tuple(out)
 
 
+def gluon_stats(lse, q, k, params: AttnParams, lse_lo, fused: bool):
+    """(lse2, far) for the preprocess kernel to fill where the fused Gluon dK/dV kernel runs
+    (`fused`), else (None, None): lse2, lse in log2 units (0 where a row sees no key), the stats
+    ring's contents for the half-dQ and wide kernels; far, with lse_lo, the zeroed int32 flags of
+    the GQA groups with a row far from 0 (`gluon_attention.far_flags`).  Why: each of those
+    kernels' programs scaled every tile's lse again and, with lse_lo, scanned its whole group's lse
+    before it started (ncu, benchmarks/RESULTS.md v0.9.19)."""
+    if not fused:
+        return None, None
+    lse2 = torch.empty_like(lse)
+    return lse2, gluon_attention.far_flags(q, k, params, lse_lo)
+
+
+def dq_from_acc(dq_acc, scale: float, dtype):
+    """dQ from a fused backward's float32 accumulator of dS K (unscaled): one pass, scale * acc
+    rounded once into `dtype`."""
+    dq = torch.empty(dq_acc.shape, dtype=dtype, device=dq_acc.device)
+    n = dq_acc.numel()
+    if n:
+        launch(attn_bwd_dq_cast_kernel, (cdiv(n, 4096),), dq_acc, dq, n, float(scale), BLOCK=4096,
+               num_warps=8)
+    return dq
+
+
 def attention_backward(do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dmask: bool, lse_lo=None):
     """(dq, dk, dv, dmask).  Through a launch plan where `_planned` allows (ops/replay.py: the
     dense Gluon pair's launches; the other paths bypass the recorder, so they are never planned)."""
@@ -397,11 +421,15 @@ def _backward(rec, do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dma
                                                     lse_lo=lse_lo, far=far, rec=rec)
         return dq, dk, dv, None
 
-    # delta = rowsum(o * dO) - dlse (the portable kernel serves every other call)
+    # delta = rowsum(o * dO) - dlse (the portable kernel serves every other call); for the fused
+    # Gluon kernels also lse in log2 units and, with lse_lo, the far GQA groups (`gluon_stats`)
+    lse2, far = gluon_stats(lse, q, k, params, lse_lo, gluon_fused)
     launch(attn_bwd_preprocess_kernel, (cdiv(max_sq, cfg_q.block_m), B * Hq),
         o, do, dlse if dlse is not None else delta, delta, params.cu_seqlens_q if vl else offsets,
-        *_bshd_strides(o, vl), *_bshd_strides(do, vl), Hq, Sq, Dv,
+        lse, delta if lse2 is None else lse2, delta if far is None else far,
+        *_bshd_strides(o, vl), *_bshd_strides(do, vl), Hq, Sq, Hq // Hkv, Dv,
         HAS_DLSE=dlse is not None, IS_VARLEN=vl, BLOCK_M=cfg_q.block_m, BLOCK_DV=BD,
+        HAS_LSE2=lse2 is not None, HAS_FAR=far is not None,
     )
 
     mask_t, m_strides, mask_bool = _mask_args(mask, q)
@@ -419,7 +447,7 @@ def _backward(rec, do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dma
     if g_kv is not None:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if gluon_fused else None
         dk, dv = gluon_attention.attention_bwd_dkdv(q, k, v, do, lse, delta, params, g_kv, order, lse_lo=lse_lo,
-                                                    dq_acc=dq_acc)
+                                                    far=far, dq_acc=dq_acc, lse2=lse2)
     else:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -433,10 +461,8 @@ def _backward(rec, do, dlse, q, k, v, mask, o, lse, params: AttnParams, need_dma
                 HAS_MASK=mask is not None, MASK_BOOL=mask_bool, **flags, **tiles(cfg_kv),
                 FUSED_DQ=fused and part != 1, HAS_LO=lse_lo is not None, PART=part,
             )
-    if gluon_fused:
-        dq = dq_acc.to(q.dtype)  # (scaled in the kernel)
-    elif fused:
-        dq = dq_acc.mul_(params.scale).to(q.dtype)
+    if gluon_fused or fused:
+        dq = dq_from_acc(dq_acc, params.scale, q.dtype)
     elif g_q is not None:
         dq = gluon_attention.attention_bwd_dq(q, k, v, do, lse, delta, params, g_q, order, lse_lo=lse_lo)
     else:

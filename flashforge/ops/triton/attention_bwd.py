@@ -1,7 +1,9 @@
 """Attention backward kernels (FA2 split, no atomics, so deterministic by default).
 
 - `attn_bwd_preprocess_kernel`: delta_i = rowsum(o_i * do_i) - dlse_i.
-  (The lse gradient adds dlse_i * P_ij to dS_ij, i.e. it shifts delta.)
+  (The lse gradient adds dlse_i * P_ij to dS_ij, i.e. it shifts delta.)  For the sm_90 fused
+  kernels also lse in log2 units and, with lse_lo, the GQA groups with a row far from 0.
+- `attn_bwd_dq_cast_kernel`: a fused backward's dQ from its unscaled float32 accumulator.
 - `attn_bwd_dkdv_kernel`: one program per (key block, batch * kv head); loops
   over the query heads of its group and the query blocks that see the keys,
   so dK/dV are summed over the group in registers.  Works on transposed
@@ -32,11 +34,12 @@ from .dropout import dropout_keep
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    O, DO, DLSE, DELTA, CU_Q,
+    O, DO, DLSE, DELTA, CU_Q, LSE, LSE2, FAR,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
-    Hq, Sq, DV: tl.constexpr,
+    Hq, Sq, group, DV: tl.constexpr,
     HAS_DLSE: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LSE2: tl.constexpr = False, HAS_FAR: tl.constexpr = False, LO_FROM: tl.constexpr = 256.0,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -59,6 +62,28 @@ def attn_bwd_preprocess_kernel(
     if HAS_DLSE:
         delta -= tl.load(DLSE + row0 + o_m, mask=o_m < Sq_b, other=0.0)
     tl.store(DELTA + row0 + o_m, delta, mask=o_m < Sq_b)
+    if HAS_LSE2:
+        # lse in log2 units as the sm_90 half-dQ and wide dK/dV kernels use it (a row that sees no
+        # key: 0), so that their consumers do not scale it again for every tile of every key block
+        lse = tl.load(LSE + row0 + o_m, mask=o_m < Sq_b, other=0.0)
+        lse2 = tl.where(lse == float("-inf"), 0.0, mul_rn(lse, LOG2E))
+        tl.store(LSE2 + row0 + o_m, lse2, mask=o_m < Sq_b)
+        if HAS_FAR:
+            # with lse_lo: mark the GQA group (FAR[b * Hkv + h // group], zeroed) whose rows include
+            # one with |lse2| >= LO_FROM, as the Gluon dQ kernel's `lo_rows` does, so that no dK/dV
+            # program scans the group's lse itself (`attention_bwd_dkdv_ws_sm90._lo_launch`)
+            far = tl.max(tl.where(o_m < Sq_b, tl.abs(lse2), 0.0), axis=0) >= LO_FROM
+            if far:
+                tl.atomic_or(FAR + b * (Hq // group) + h // group, 1)
+
+
+@triton.jit
+def attn_bwd_dq_cast_kernel(ACC, DQ, n, scale, BLOCK: tl.constexpr):
+    """dQ = scale * ACC, rounded once into DQ's dtype: the fused backward's float32 accumulator of
+    dS K (the kernels add it unscaled, so no kernel multiplies every part it adds)."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(ACC + o, mask=o < n, other=0.0)
+    tl.store(DQ + o, (x * scale).to(DQ.dtype.element_ty), mask=o < n)
 
 
 @triton.jit
