@@ -394,8 +394,8 @@ def test_wide_dkdv_tiles_fit_d256_only():
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_long_backward_takes_the_warp_specialized_kernel(D):
     """The table's "bwd_kv_ws" entry (the warp-specialized dK/dV kernel, dQ fused in FA3's layout,
-    half_dq) serves a backward from its min_keys keys on (a masked call: the "_causal" entry's);
-    shorter calls, narrower windows and
+    half_dq) serves a backward from its min_keys keys on (a masked call: the "_causal" entry's; a
+    left window: window_left + 1 at least the unmasked entry's); shorter calls, narrower windows and
     deterministic calls keep the ordered pair's Gluon tiles, not the portable kernel; a "bwd_kv"
     override is taken as it is."""
     from flashforge.ops.triton import attention as launchers
@@ -412,9 +412,11 @@ def test_long_backward_takes_the_warp_specialized_kernel(D):
     n, m = ws.min_keys, masked.min_keys
     cases = [(n, {}, ws), (n - 64, {}, pair), (n, dict(deterministic=True), pair),
              (m, dict(window_right=0), masked), (m - 64, dict(window_right=0), pair),
-             (m, dict(window_left=m - 1, window_right=0), pair),  # a key sees < m queries
-             (m, dict(window_left=m, window_right=0), masked),
-             (m, dict(window_left=m, window_right=-1), masked)]
+             # a left window: a key sees window_left + 1 queries, held to the unmasked entry's n
+             (m, dict(window_left=n - 2, window_right=0), pair),
+             (m, dict(window_left=n - 1, window_right=0), masked),
+             (m - 64, dict(window_left=n - 1, window_right=0), pair),  # (the call's keys still count)
+             (m, dict(window_left=n - 1, window_right=-1), masked)]
     for S, kw, want in cases:
         q = torch.empty(1, S, 2, D, dtype=torch.bfloat16)
         lse = torch.empty(1, 2, S)

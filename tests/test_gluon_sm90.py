@@ -524,6 +524,23 @@ def test_table_long_backward_takes_the_ws_kernel(c, dtype, monkeypatch):
         configs.set_config("bwd_kv_ws_gluon", bucket, 2, None)
 
 
+@pytest.mark.parametrize("c, dtype", [
+    pytest.param(Case(B=1, Sq=2085, Sk=2085, Hq=2, Hkv=1, D=64, causal=True, window=(1023, 0)), torch.bfloat16,
+                 id="S2085-D64-causal-window1023-bfloat16"),
+    pytest.param(Case(B=1, Sq=2049, Sk=2049, Hq=2, Hkv=2, D=128, window=(1100, -1)), torch.float16,
+                 id="S2049-D128-left1100-float16")])
+def test_long_window_backward_takes_the_ws_kernel(c, dtype, monkeypatch):
+    """At the table's own thresholds (no lowered min_keys): a left window of at least the unmasked
+    "bwd_kv_ws" entry's min_keys - 1 keys, in a call with the masked entry's keys, takes the
+    warp-specialized kernel with dQ fused (`_long_bwd_kv`), against the float64 reference."""
+    plain = configs.gluon_config(c.D, 2, False, (9, 0), "bwd_kv_ws")
+    masked = configs.gluon_config(c.D, 2, True, (9, 0), "bwd_kv_ws")
+    assert c.window[0] + 1 >= plain.min_keys and c.Sk >= masked.min_keys
+    calls = _bwd_spies(monkeypatch)
+    check_case(c, "triton", device="cuda", dtype=dtype)
+    assert calls["fused"] and all(cfg == masked for cfg in calls["fused_cfg"]), calls
+
+
 @pytest.mark.parametrize("D, Hkv, causal", [(64, 4, False), (128, 2, True)])
 def test_training_steps_from_launch_plans_match_the_launchers(D, Hkv, causal, monkeypatch):
     """Training steps of one shape: from the third on, the forward and backward replay launch plans

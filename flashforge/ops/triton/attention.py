@@ -305,13 +305,20 @@ def _long_bwd_kv(g_kv, k, D: int, elem: int, arch, params: AttnParams):
     the H100 (bf16, benchmarks/RESULTS.md v0.9.6, v0.9.7) the half-dQ backward ran 1.17-1.26x the
     pair's from S = 4k and 1.10-1.16x at 2k, but at S = 1k causal 0.86-0.89x (a program's fixed
     costs: its zeroed accumulator, its conversion, few query tiles a key block), so masked calls
-    have their own entry ("bwd_kv_ws_gluon_causal", from 2048 keys; the others from 1024).  At D = 256 the
+    have their own entry ("bwd_kv_ws_gluon_causal", from 2048 keys; the others from 1024).  A left
+    window of w keys gives every key w + 1 queries: held to the unmasked entry's 1024 (the causal
+    1023 window at 16k keys then takes this kernel; RESULTS.md v0.9.19, pending measurement).  At D = 256 the
     entry is the wide kernel (consumers split the head dim): 1.17-1.31x a training step from S = 4k
     (v0.9.8)."""
     keys = gluon_attention.key_count(k, params)
     # (a masked call -- causal or windowed -- may have its own entry: shorter key blocks see fewer queries)
     ws = gluon_config(D, elem, params.has_window, arch, "bwd_kv_ws")
-    if ws is None or keys < ws.min_keys or 0 <= params.window_left < ws.min_keys:
+    if ws is None or keys < ws.min_keys:
+        return g_kv
+    # a left window: each key is seen by window_left + 1 queries however long the call, held to the
+    # unmasked entry's min_keys (the masked entry's stands for a causal triangle's average key)
+    plain = gluon_config(D, elem, False, arch, "bwd_kv_ws")
+    if 0 <= params.window_left and params.window_left + 1 < (ws if plain is None else plain).min_keys:
         return g_kv
     if gluon_attention.fuses_dq(ws, D, params) and gluon_attention.bwd_tiles_fit("bwd_kv", ws, D):
         return ws
