@@ -428,6 +428,10 @@ BWD_CASES = [
     case("sharp-softmax", F16, B=1, Sq=384, Sk=640, Hq=2, Hkv=2, D=128, input_scale=4.0),
     # one query tile a key block (the WS kernels' turn-taking: a single, odd tile)
     case("Sq64-Sk333-one-query-tile", BF16, B=2, Sq=64, Sk=333, Hq=2, Hkv=2, D=64),
+    # plain scores with a partial last query tile at D = 64 (128 queries a tile: 51 padded rows a
+    # head), GQA: the half-dQ kernel leaves those rows' lse2 unmasked, and their zero-filled Q, dO,
+    # lse2 and delta must add nothing
+    case("Sq333-Sk520-D64-padded-queries-gqa4/2", F16, B=2, Sq=333, Sk=520, Hq=4, Hkv=2, D=64),
 ]
 
 

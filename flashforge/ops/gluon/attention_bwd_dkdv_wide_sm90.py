@@ -123,7 +123,7 @@ def _wide_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_smem, v_sme
         dp = warpgroup_mma(do_s, v_mine.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         m, h = _tile_rows(t, n_mt_div, mt_lo, hk, group, ROWS)
         lse2, lo = _tile_lse(lse_ring, LSE_LO + row_b + h.to(gl.int64) * stride_lh + m, 0, rows, Sq - m, row_s,
-                             USE_LO)
+                             USE_LO, True)
         if HAS_ALIBI:
             slope = gl.load(SL + h * stride_sh)
         else:
