@@ -8,8 +8,9 @@ export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name --format=csv,noheader
 PARTS=" ${PARTS:-tests ab window} "
-T=()  # AB_TREES: the trees the A/B times
-for t in ${AB_TREES:-base new}; do T+=(--tree "$t=.ab/$t"); done
+T=()  # AB_TREES: the trees the A/B times (NAME for .ab/NAME, or NAME=DIR); AB_EXTRA: more ab_timing
+for t in ${AB_TREES:-base new}; do [[ $t == *=* ]] && T+=(--tree "$t") || T+=(--tree "$t=.ab/$t"); done
+T+=(${AB_EXTRA:-})  # arguments, e.g. --tree-env NAME:FLASHFORGE_TILE_CONFIGS=FILE
 [[ $PARTS == *" tests "* ]] && { ( cd .ab/new_tree && FF_PARTS=tests FF_TEST_WORKERS=14 FF_TEST_LIMIT=${T_LIMIT:-200} FF_BUDGET=${T_LIMIT:-200} FF_RESERVE=0 \
   bash scripts/device.sh tests/test_bwd_stats.py tests/test_fused_bwd.py tests/test_extreme_logits.py tests/test_gluon_sm90.py \
     -k "${TESTS_K:-test_bwd_stats or test_fused_bwd or extreme or (test_backward_against_reference and (table or halfdq or kv-fused-overlap or kv-ws-fused-s2 or shared-rs)) or (d256_backward and (table or kv-wide)) or far_negative or varlen_wide_dkdv or varlen_warp_specialized_dq or training_steps or long_backward or long_window or delta_comes}" \
