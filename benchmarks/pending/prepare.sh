@@ -13,4 +13,9 @@ git -C "$work" am -q "$PWD"/benchmarks/pending/0*.patch
 git -C "$work" archive HEAD flashforge | tar -x -C .ab/new
 git -C "$work" archive HEAD | tar -x -C .ab/new_tree
 rm -rf .ab/new_tree/benchmarks/results
+# D = 128's half-dQ entries in the DEFER form, for a third tree (newov = new under this file through
+# FLASHFORGE_TILE_CONFIGS; the table's entries otherwise, ops/triton/configs.py)
+cfg='"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "gluon": true, "consumers": 2, "fused_dq": true, "half_dq": true, "overlap": true'
+printf '{"bwd_kv_ws_gluon/128/2": {%s, "min_keys": 1024},\n "bwd_kv_ws_gluon_causal/128/2": {%s, "min_keys": 2048}}\n' \
+    "$cfg" "$cfg" > .ab/d128ov.json
 du -sh .ab
