@@ -39,7 +39,7 @@ adds a small number to a small number.  ``lse_lo=None`` in the backward means 0.
 has no such output: `flashforge.ops.attention_cpu_aten`).  Likewise a backward may leave
 lse_lo out where every row it reads has |lse * log2(e)| below 256 (16-bit inputs: P moves by
 at most 4e-5 of itself): the sm_90 Gluon kernels check their rows once per program and run a
-loop without the subtraction there (`ops.gluon.attention_bwd_sm90.LO_FROM`; the dK/dV kernel
+loop without the subtraction there (`ops.triton.common.LO_FROM`; the dK/dV kernel
 as two launches, the second for the GQA groups with a far row).
 How ``s - shift`` is rounded, the same in every kernel for the same inputs, is
 `ops.triton.common.fused_score`'s rule (one fused multiply-add for bfloat16, the product rounded

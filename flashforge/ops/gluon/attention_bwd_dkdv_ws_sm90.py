@@ -340,9 +340,10 @@ def _dkdv_out(dk, dv, dk_desc, dv_desc, k_smem, v_smem, empty, ds_free, b, nc, h
 
 @gluon.jit
 def _store_dq(dq, dq_smem, dq_full, dq_empty, use, BLOCK_M: gl.constexpr, D: gl.constexpr, DQ_N: gl.constexpr):
-    """A tile's dQ_t (unscaled: the caller scales the sum) into this consumer's buffer, its `use`-th, once the writer has handed
-    the previous one to the copy engine, in boxes of DQ_N columns (a float32 TMA box is 32 wide):
-    halves of the register tile, each thread's own registers (no data moves)."""
+    """A tile's dQ_t (unscaled: the caller scales the sum) into this consumer's buffer, its
+    `use`-th, once the writer has handed the previous one to the copy engine, in boxes of DQ_N
+    columns (a float32 TMA box is 32 wide): halves of the register tile, each thread's own
+    registers (no data moves)."""
     mbarrier.wait(dq_empty, (use & 1) ^ 1)
     _put_dq(dq, dq_smem, BLOCK_M, D, DQ_N)
     mbarrier.arrive(dq_full, count=1)

@@ -46,6 +46,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ..triton.common import LO_FROM  # (one threshold with the preprocess kernel's far flags)
 from .pipeline import (copy_in, copy_out, init_barriers, invalidate_barriers, key_block, key_program, key_window,
                        load_rows, query_program, query_window, reduce_out, slot, visible, wait)
 from .rounding import LOG2E, backward_fuse, exponent, fused_score, mul_rn
@@ -83,13 +84,6 @@ def _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t, T, n_mt, mt_lo, b, hk, 
     mbarrier.expect(bars.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=t < T)
     copy_in(q_desc, b, m, h, q_start, Sq, bars.index(slot), q_ring.index(slot), t < T, VARLEN)
     copy_in(do_desc, b, m, h, q_start, Sq, bars.index(slot), do_ring.index(slot), t < T, VARLEN)
-
-
-# Below this |lse * log2(e)| a program leaves lse_lo out (`_lo_needed`).  lse_lo is at most ~2**-22
-# of it (two float32 roundings), so there P moves by at most 4e-5 of itself (float16's ulp is 1e-3):
-# no more than the lse the backward had before lse_lo, and flash-attn's.  (The portable kernels,
-# float32 inputs included, always subtract it.)
-LO_FROM = gl.constexpr(256.0)
 
 
 @gluon.jit
@@ -194,11 +188,11 @@ def _stage_ds(dst, ds_smem, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _dq_out(dq, c, t, n_mt, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M: gl.constexpr,
+def _dq_out(dq, c, t, n_mt, mt_lo, hk, group, b, q_start, Sq, dq_desc, dq_smem, BLOCK_M: gl.constexpr,
             DQ_N: gl.constexpr, VARLEN: gl.constexpr):
     """FUSED_DQ: columns [c * DQ_N, (c + 1) * DQ_N) of tile t's dQ_t = dS K (unscaled: the caller
-    scales the sum once, `triton.attention.dq_from_acc`), through shared-memory buffer c into the float32 dQ accumulator of its head's rows by the copy
-    engine's reduce-add (bulk, asynchronous; the order of the programs' adds varies, so
+    scales the sum once, `triton.attention.dq_from_acc`), through shared-memory buffer c into the
+    float32 dQ accumulator of its head's rows by the copy engine's reduce-add (bulk, asynchronous; the order of the programs' adds varies, so
     deterministic=True never takes this path).  Rows past the sequence's end are not touched.
     The caller waits (`tma.store_wait`) until the buffer's previous reduce has read it."""
     g = t // n_mt
@@ -212,7 +206,7 @@ def _dq_out(dq, c, t, n_mt, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq
 
 @gluon.jit
 def _serial_products(pt, dst, dv, dk, t, ds, k_t, q_ring, do_ring, bars, q_desc, do_desc, T, n_mt, mt_lo, b, hk, group,
-                     q_start, Sq, dq_desc, dq_smem, scale, op_layout: gl.constexpr, dq_layout: gl.constexpr,
+                     q_start, Sq, dq_desc, dq_smem, op_layout: gl.constexpr, dq_layout: gl.constexpr,
                      dtype: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                      VARLEN: gl.constexpr, DQ_N: gl.constexpr):
     """FUSED_DQ one tile at a time: tile t's dV, dK and dQ_t products, dQ_t one [BLOCK_M, DQ_N]
@@ -227,7 +221,7 @@ def _serial_products(pt, dst, dv, dk, t, ds, k_t, q_ring, do_ring, bars, q_desc,
         dq = warpgroup_mma(ds.permute((1, 0)), k_t.slice(c * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False,
                            is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))  # (retires dV and dK as well: they are older)
-        _dq_out(dq, c, t, n_mt, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M, DQ_N, VARLEN)
+        _dq_out(dq, c, t, n_mt, mt_lo, hk, group, b, q_start, Sq, dq_desc, dq_smem, BLOCK_M, DQ_N, VARLEN)
     dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
     _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t + STAGES, T, n_mt, mt_lo, b, hk, group, q_start, Sq, BLOCK_M,
               STAGES, VARLEN)
@@ -280,9 +274,9 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
             pt_new = gl.convert_layout(pt_new.to(dtype), op_layout)
             dv, dk, dq0, dq1, pt = warpgroup_mma_wait(0, deps=(dv, dk, dq0, dq1, pt))
             tma.store_wait(0)  # tile t-2's reduces have read their buffers
-            _dq_out(dq0, 0, t - 1, n_mt_div, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M, DQ_N,
+            _dq_out(dq0, 0, t - 1, n_mt_div, mt_lo, hk, group, b, q_start, Sq, dq_desc, dq_smem, BLOCK_M, DQ_N,
                     VARLEN)
-            _dq_out(dq1, 1, t - 1, n_mt_div, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M, DQ_N,
+            _dq_out(dq1, 1, t - 1, n_mt_div, mt_lo, hk, group, b, q_start, Sq, dq_desc, dq_smem, BLOCK_M, DQ_N,
                     VARLEN)
             # tile t-1's slot is free
             _load_qdo(q_desc, do_desc, q_ring, do_ring, bars, t - 1 + STAGES, T, n_mt_div, mt_lo, b, hk, group,
@@ -296,9 +290,9 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
         dq1 = warpgroup_mma(ds.permute((1, 0)), k_hi, dq_zero, use_acc=False, is_async=True)
         dv, dk, dq0, dq1 = warpgroup_mma_wait(0, deps=(dv, dk, dq0, dq1))
         tma.store_wait(0)
-        _dq_out(dq0, 0, last, n_mt_div, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M, DQ_N,
+        _dq_out(dq0, 0, last, n_mt_div, mt_lo, hk, group, b, q_start, Sq, dq_desc, dq_smem, BLOCK_M, DQ_N,
                 VARLEN)
-        _dq_out(dq1, 1, last, n_mt_div, mt_lo, hk, group, b, q_start, Sq, scale, dq_desc, dq_smem, BLOCK_M, DQ_N,
+        _dq_out(dq1, 1, last, n_mt_div, mt_lo, hk, group, b, q_start, Sq, dq_desc, dq_smem, BLOCK_M, DQ_N,
                 VARLEN)
     elif PIPE:
         pt = gl.convert_layout(pt.to(dtype), op_layout)
@@ -329,7 +323,7 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
         # (the fewest live registers: dK and dV, one part; another program on the SM fills the gaps)
         ds = ds_smem.index(0)
         dv, dk = _serial_products(pt, dst, dv, dk, 0, ds, k_t, q_ring, do_ring, bars, q_desc, do_desc, T, n_mt_div,
-                                  mt_lo, b, hk, group, q_start, Sq, dq_desc, dq_smem, scale, op_layout, dq_layout,
+                                  mt_lo, b, hk, group, q_start, Sq, dq_desc, dq_smem, op_layout, dq_layout,
                                   dtype, BLOCK_M, D, STAGES, VARLEN, DQ_N)
         for t in range(1, T):
             st, dpt = _issue_scores(k_t, v_t, q_ring, do_ring, bars, t, s_zero, BLOCK_M, D, STAGES)
@@ -339,7 +333,7 @@ def _dkdv_tiles(k_t, v_t, q_ring, do_ring, bars, q_desc, do_desc, dk, dv, s_zero
                                   col_s, CAUSAL, HAS_WL, HAS_SOFTCAP, HAS_ALIBI, BLOCK_M, HAS_LO, FUSE=FUSE, Sk=Sk,
                               SK_MASK=FUSED_DQ)
             dv, dk = _serial_products(pt, dst, dv, dk, t, ds, k_t, q_ring, do_ring, bars, q_desc, do_desc, T,
-                                      n_mt_div, mt_lo, b, hk, group, q_start, Sq, dq_desc, dq_smem, scale, op_layout,
+                                      n_mt_div, mt_lo, b, hk, group, q_start, Sq, dq_desc, dq_smem, op_layout,
                                       dq_layout, dtype, BLOCK_M, D, STAGES, VARLEN, DQ_N)
     else:
         # one tile at a time (fewer live registers; another program on the SM fills the gaps):

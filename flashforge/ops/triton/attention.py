@@ -307,7 +307,7 @@ def _long_bwd_kv(g_kv, k, D: int, elem: int, arch, params: AttnParams):
     costs: its zeroed accumulator, its conversion, few query tiles a key block), so masked calls
     have their own entry ("bwd_kv_ws_gluon_causal", from 2048 keys; the others from 1024).  A left
     window of w keys gives every key w + 1 queries: held to the unmasked entry's 1024 (the causal
-    1023 window at 16k keys then takes this kernel; RESULTS.md v0.9.19, pending measurement).  At D = 256 the
+    1023 window at 16k keys then takes this kernel: as fast as the pair there, RESULTS.md v0.9.21).  At D = 256 the
     entry is the wide kernel (consumers split the head dim): 1.17-1.31x a training step from S = 4k
     (v0.9.8)."""
     keys = gluon_attention.key_count(k, params)

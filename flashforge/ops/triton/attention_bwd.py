@@ -26,7 +26,7 @@ dS = P * (dP' - delta) where dP' is dO V^T with the dropout mask applied.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, batch_head, full_key_range, full_query_range, fused_score, key_range, load_offset,
+from .common import (LO_FROM, LOG2E, batch_head, full_key_range, full_query_range, fused_score, key_range, load_offset,
                      load_slope, load_tile, lse_row0, mul_rn, query_range, score_exponent,
                      score_tile, seq_bounds)
 from .dropout import dropout_keep
@@ -39,7 +39,7 @@ def attn_bwd_preprocess_kernel(
     stride_dob, stride_dos, stride_doh,
     Hq, Sq, group, DV: tl.constexpr,
     HAS_DLSE: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_LSE2: tl.constexpr = False, HAS_FAR: tl.constexpr = False, LO_FROM: tl.constexpr = 256.0,
+    HAS_LSE2: tl.constexpr = False, HAS_FAR: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)

@@ -14,6 +14,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 # flashforge.api.validate's SAFE_INDEX and MAX_OFFSET (see `load_offset`)
 SAFE_INDEX = tl.constexpr(2**29)
 MAX_OFFSET = tl.constexpr(2**61)
+# Below this |lse * log2(e)| an sm_90 Gluon backward program leaves lse_lo out
+# (`ops.gluon.attention_bwd_sm90._lo_needed`; the preprocess kernel flags the GQA groups past it for
+# the fused dK/dV kernels).  lse_lo is at most ~2**-22 of it (two float32 roundings), so there P
+# moves by at most 4e-5 of itself (float16's ulp is 1e-3): no more than the lse the backward had
+# before lse_lo, and flash-attn's.  (The portable kernels, float32 inputs included, always subtract it.)
+LO_FROM = tl.constexpr(256.0)
 # Triton reads TRITON_INTERPRET once, at import; so do we (inline PTX has no interpreter twin)
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
