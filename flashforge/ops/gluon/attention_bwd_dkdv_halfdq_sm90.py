@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_dkdv_ws_sm90 import _half_masks, _lo_launch, _put_dq, _resident_kv, _store_dq, _tile_masked, _tile_rows
+from .attention_bwd_dkdv_ws_sm90 import _half_masks, _lo_launch, _resident_kv, _tile_masked, _tile_rows
 from .named_barrier import FIRST_ID, named_arrive, named_sync
 from .pipeline import copy_out, copy_pair, key_block, query_window, reduce_out, wait
 from .rounding import backward_fuse, exponent
@@ -38,6 +38,12 @@ from .scores import modified_score
 from .ws_pipeline import HALF
 
 DS_STAGES = gl.constexpr(2)  # dS^T slots a consumer: tile t + 1's is stored while tile t's dQ reads
+# A consumer releases a Q / dO stage (`empty`) and, in the DEFER form, a dS^T slot (`ds_free`) by
+# every thread's own arrival (`async_copy.mbarrier_arrive` with no count increment, so the
+# barriers count 2 x 128 arrivals).  Why: triton 3.6 arrives from thread 0 with a warpgroup barrier
+# before and after (`named_barrier`'s docstring); these releases order only reads -- the products'
+# (retired by the wait before) and each thread's own loads -- so no thread needs the others'.
+CONSUMER_THREADS = gl.constexpr(128)
 # Named barriers of the lockstep (not DEFER) form, `named_barrier`: consumer c's dS^T of a tile in
 # slot s stored (DS_READY + 2 c + s: c's 128 threads arrive, the other's 128 sync), and each
 # consumer c's dQ part handed to the writer warp (DQ_FULL + c) and back (DQ_EMPTY + c; 128 + 32
@@ -108,14 +114,59 @@ def _tile_lse(lse_ring, LO, s, cols, n, layout: gl.constexpr, USE_LO: gl.constex
 
 @gluon.jit
 def _store_ds(dst16, ds_ring, s, BLOCK_M: gl.constexpr):
-    # dS^T [64 keys, BLOCK_M queries] into slot s: one [64, 64] tile a 64-query half (at 128
-    # queries, each thread's own registers split by column half: no data moves)
+    # dS^T [64 keys, BLOCK_M queries] into slot s: one [64, 64] tile a 64-query half, each half
+    # its own ring (`_ds_rings`; at 128 queries, each thread's own registers split by column half:
+    # no data moves)
     if BLOCK_M == 128:
         lo_half, hi_half = dst16.reshape([HALF, 2, HALF]).permute(0, 2, 1).split()
-        ds_ring.index(2 * s).store(lo_half)
-        ds_ring.index(2 * s + 1).store(hi_half)
+        ds_ring[0].index(s).store(lo_half)
+        ds_ring[1].index(s).store(hi_half)
     else:
-        ds_ring.index(s).store(dst16)
+        ds_ring[0].index(s).store(dst16)
+
+
+@gluon.jit
+def _ds_rings(dtype: gl.constexpr, NQH: gl.constexpr):
+    """A consumer's dS^T ring: one allocation of DS_STAGES [64, 64] slots a 64-query half (the
+    second the first again at NQH = 1).  Why not one allocation of all slots: the compiler's
+    shared-memory hazard analysis cannot tell its slots apart through an index, and put a
+    warpgroup barrier between the two halves' stores of every tile."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    lo = gl.allocate_shared_memory(dtype, [DS_STAGES, HALF, HALF], layout)
+    if NQH == 2:
+        hi = gl.allocate_shared_memory(dtype, [DS_STAGES, HALF, HALF], layout)
+    else:
+        hi = lo
+    return lo, hi
+
+
+@gluon.jit
+def _dq_buffers(dq_desc):
+    """A consumer's dQ part buffer: one allocation a DQ_N-column box (two: 64 columns of 32), for
+    `_ds_rings`' reason (one allocation of both boxes: a warpgroup barrier between their stores)."""
+    gl.static_assert(HALF // dq_desc.block_type.shape[len(dq_desc.block_type.shape) - 1] == 2,
+                     "a dQ part is two boxes")
+    lo = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+    hi = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+    return lo, hi
+
+
+@gluon.jit
+def _put_part(dq, dq_bufs, DQ_N: gl.constexpr):
+    """A [64, 64] dQ part into its two boxes' buffers (each thread's own registers split by column
+    half: no data moves), and the fence that hands them to the copy engine."""
+    lo_half, hi_half = dq.reshape([HALF, 2, DQ_N]).permute(0, 2, 1).split()
+    dq_bufs[0].reshape([HALF, DQ_N]).store(lo_half)
+    dq_bufs[1].reshape([HALF, DQ_N]).store(hi_half)
+    fence_async_shared()
+
+
+@gluon.jit
+def _hand_part(dq, dq_bufs, dq_full, dq_empty, use, DQ_N: gl.constexpr):
+    # the DEFER form's hand-off of its use-th part to the writer warp, by mbarriers
+    mbarrier.wait(dq_empty, (use & 1) ^ 1)
+    _put_part(dq, dq_bufs, DQ_N)
+    mbarrier.arrive(dq_full, count=1)
 
 
 @gluon.jit
@@ -124,12 +175,12 @@ def _dq_part(ds_mine, ds_other, k_t, k_o, s, dq_zero, ME: gl.constexpr, BLOCK_M:
     BLOCK_M = 128 query rows [64 ME, 64 ME + 64), else (D = 128) columns [64 ME, 64 ME + 64).
     A: dS from the consumers' dS^T rings (a transposed view), B: their K."""
     if BLOCK_M == 128:
-        dq = warpgroup_mma(ds_mine.index(2 * s + ME).permute((1, 0)), k_t, dq_zero, use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_other.index(2 * s + ME).permute((1, 0)), k_o, dq, is_async=True)
+        dq = warpgroup_mma(ds_mine[ME].index(s).permute((1, 0)), k_t, dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_other[ME].index(s).permute((1, 0)), k_o, dq, is_async=True)
     else:
-        dq = warpgroup_mma(ds_mine.index(s).permute((1, 0)), k_t.slice(ME * HALF, HALF, dim=1), dq_zero,
+        dq = warpgroup_mma(ds_mine[0].index(s).permute((1, 0)), k_t.slice(ME * HALF, HALF, dim=1), dq_zero,
                            use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_other.index(s).permute((1, 0)), k_o.slice(ME * HALF, HALF, dim=1), dq,
+        dq = warpgroup_mma(ds_other[0].index(s).permute((1, 0)), k_o.slice(ME * HALF, HALF, dim=1), dq,
                            is_async=True)
     return dq
 
@@ -238,16 +289,16 @@ def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring, v_rin
             named_sync(DS_READY + 2 * (1 - ME) + s, 256)  # the other's dS^T of this tile stored too
             dq = _dq_part(ds_mine, ds_other, k_t, k_o, s, dq_zero, ME, BLOCK_M)
         dq, dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dq, dv, dk, pt_op, dst_op))
-        mbarrier.arrive(empty.index(t % STAGES), count=1)
+        async_copy.mbarrier_arrive(empty.index(t % STAGES), increment_count=False)
         if DEFER:
             if u >= 0:
-                mbarrier.arrive(ds_free.index(sp), count=1)
-                _store_dq(dq, dq_smem, dq_full, dq_empty, u, HALF, HALF, DQ_N)
+                async_copy.mbarrier_arrive(ds_free.index(sp), increment_count=False)
+                _hand_part(dq, dq_smem, dq_full, dq_empty, u, DQ_N)
         else:
             # the writer's arrival after part t - 1 (it skips the last part's: nobody waits)
             if t > 0:
                 named_sync(DQ_EMPTY + ME, 160)
-            _put_dq(dq, dq_smem, HALF, HALF, DQ_N)
+            _put_part(dq, dq_smem, DQ_N)
             named_arrive(DQ_FULL + ME, 160)
     if T > 0:
         if DEFER:  # the last tile's dQ part
@@ -255,8 +306,8 @@ def _half_consumer(dk_desc, dv_desc, lse_ring, LSE_LO, delta_ring, k_ring, v_rin
             mbarrier.wait(ds_ready.index(s_last), ((T - 1) // DS_STAGES) & 1)
             dq = _dq_part(ds_mine, ds_other, k_t, k_o, s_last, dq_zero, ME, BLOCK_M)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
-            mbarrier.arrive(ds_free.index(s_last), count=1)
-            _store_dq(dq, dq_smem, dq_full, dq_empty, T - 1, HALF, HALF, DQ_N)
+            async_copy.mbarrier_arrive(ds_free.index(s_last), increment_count=False)
+            _hand_part(dq, dq_smem, dq_full, dq_empty, T - 1, DQ_N)
         # K's buffer takes dK: the other's last dQ must have read it
         if DEFER:
             mbarrier.wait(ds_free.index((T - 1) % DS_STAGES), ((T - 1) // DS_STAGES) & 1)
@@ -346,7 +397,7 @@ def _reduce_part(dq_desc, buf, full, empty, use, T, b, m, h, q_start, Sq, ME: gl
     else:
         mbarrier.wait(full, use & 1)
     for p in gl.static_range(HALF // DQ_N):
-        reduce_out(dq_desc, b, row, h, col + p * DQ_N, q_start, Sq, buf.index(p), VARLEN)
+        reduce_out(dq_desc, b, row, h, col + p * DQ_N, q_start, Sq, buf[p], VARLEN)
     tma.store_wait(0)
     if NAMED:
         # (the consumer waits before its parts 1 .. T - 1: an arrival after the last would be
@@ -399,11 +450,10 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
     v_ring1 = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    ds_ring0 = gl.allocate_shared_memory(dtype, [DS_STAGES * NQH, HALF, HALF], ds_layout)
-    ds_ring1 = gl.allocate_shared_memory(dtype, [DS_STAGES * NQH, HALF, HALF], ds_layout)
-    dq_smem0 = gl.allocate_shared_memory(gl.float32, [HALF // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
-    dq_smem1 = gl.allocate_shared_memory(gl.float32, [HALF // DQ_N] + dq_desc.block_type.shape, dq_desc.layout)
+    ds_ring0 = _ds_rings(dtype, NQH)
+    ds_ring1 = _ds_rings(dtype, NQH)
+    dq_smem0 = _dq_buffers(dq_desc)
+    dq_smem1 = _dq_buffers(dq_desc)
     stat_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem)
     delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_smem)
@@ -421,10 +471,10 @@ def attn_bwd_dkdv_halfdq_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, d
         mbarrier.init(dq_empty.index(i), count=1)
     for i in gl.static_range(DS_STAGES):
         mbarrier.init(ds_ready.index(i), count=2)
-        mbarrier.init(ds_free.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2 * CONSUMER_THREADS)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=2 * CONSUMER_THREADS)
     fence_async_shared()
 
     if active:
