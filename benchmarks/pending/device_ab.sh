@@ -23,7 +23,7 @@ for r in "D64 S1024" "D64 S4096" "D64 S4096 causal" "D64 S16384" "D64 S16384 cau
     O+=(--only "$r")
 done
 [[ $PARTS == *" ab "* ]] && { timeout -k 5 "${AB_LIMIT:-300}" python benchmarks/profile/ab_timing.py "${T[@]}" \
-    --rounds "${ROUNDS:-3}" --features "${O[@]}" --child-timeout 100 --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
+    --rounds "${ROUNDS:-3}" --features "${O[@]}" --child-timeout "${AB_CHILD:-100}" --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
 tail -30 "$OUT/ab.txt"; }
 [[ $PARTS == *" window "* ]] && { timeout -k 5 "${AB2_LIMIT:-120}" python benchmarks/profile/ab_timing.py "${T[@]}" --rounds "${ROUNDS:-3}" --features --only "D128 S16384 causal window 1023" --child-timeout 60 \
     --json "$OUT/ab_window.json" > "$OUT/ab_window.txt" 2>&1
