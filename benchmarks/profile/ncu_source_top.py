@@ -1,0 +1,72 @@
+"""Summarize ncu's per-instruction (SASS) counters of one kernel launch: the instructions that
+collect the most stall samples and the most excess shared-memory wavefronts (bank conflicts),
+so a kernel's hot spots can be read without carrying the whole report back.
+
+    ncu --section SourceCounters --section WarpStateStats -k regex:halfdq --launch-skip 4 \
+        --launch-count 1 -o rep python benchmarks/profile/step_kernels.py --plain 2 "D128 S4096 causal"
+    ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
+    python benchmarks/profile/ncu_source_top.py sass.csv [--top 25]
+
+Column names differ between ncu versions, so they are matched by substring.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+
+def _num(x: str) -> float:
+    try:
+        return float(x.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("csv")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    with open(args.csv, newline="") as f:
+        lines = [ln for ln in f if ln.count(",") > 3]  # ncu prints a banner before the table
+    rows = list(csv.reader(lines))
+    if not rows:
+        sys.exit(f"{args.csv}: no table")
+    head, body = rows[0], rows[1:]
+    print("columns:", " | ".join(head))
+
+    def col(*keys):
+        for i, h in enumerate(head):
+            if all(k.lower() in h.lower() for k in keys):
+                return i
+        return None
+
+    src = col("source")
+    addr = col("address")
+    want = {
+        "stall(all)": col("warp stall sampling", "all"),
+        "stall(not issued)": col("warp stall sampling", "not"),
+        "smem excess": col("wavefronts shared excessive"),
+        "smem wavefronts": col("l1 wavefronts shared") if col("l1 wavefronts shared", "ideal") != col(
+            "l1 wavefronts shared") else None,
+        "smem ideal": col("wavefronts shared ideal"),
+        "executed": col("instructions executed"),
+    }
+    want = {k: v for k, v in want.items() if v is not None}
+    print("using:", {k: head[v] for k, v in want.items()})
+    total = {k: sum(_num(r[v]) for r in body if len(r) > v) for k, v in want.items()}
+    print("totals:", {k: f"{v:.4g}" for k, v in total.items()})
+    for key in ("stall(all)", "smem excess"):
+        if key not in want:
+            continue
+        i = want[key]
+        ranked = sorted((r for r in body if len(r) > i), key=lambda r: -_num(r[i]))[: args.top]
+        print(f"\n== top {args.top} by {key} ==")
+        for r in ranked:
+            vals = " ".join(f"{k}={_num(r[v]):.4g}" for k, v in want.items())
+            print(f"{r[addr] if addr is not None else '':>8} {vals}  {r[src][:90] if src is not None else ''}")
+
+
+if __name__ == "__main__":
+    main()
