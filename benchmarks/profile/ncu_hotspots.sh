@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: ncu of our backward's dK/dV kernel (one launch a row) with per-instruction
-# counters, summarized by ncu_source_top.py (top stall and bank-conflict instructions) -- small
-# enough to come back whole.  Results under $OUT.
+# counters, summarized by ncu_source_top.py (each kernel's stall listing in address order, then its
+# top stall and bank-conflict instructions) into summary.txt; the rest as raw.tar.gz under $OUT.
 #
 #     bash benchmarks/profile/ncu_hotspots.sh "D128 S4096 causal" "D64 S4096"
 set -uo pipefail
@@ -17,10 +17,13 @@ for row in "$@"; do
         -o "$OUT/rep_$tag" python step_kernels.py --plain 2 "$row" > "$OUT/ncu_$tag.log" 2>&1
     ncu --import "$OUT/rep_$tag.ncu-rep" --page details > "$OUT/details_$tag.txt" 2>&1
     ncu --import "$OUT/rep_$tag.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$tag.csv" 2>&1
-    python ncu_source_top.py "/tmp/sass_$tag.csv" > "$OUT/top_$tag.txt" 2>&1
-    gzip -c "/tmp/sass_$tag.csv" > "$OUT/sass_$tag.csv.gz"
+    cp "/tmp/sass_$tag.csv" "$OUT/sass_$tag.csv"
     rm -f "$OUT/rep_$tag.ncu-rep"
-    echo "== $row: $(grep -m1 -oE 'attn_bwd_dkdv[A-Za-z0-9_]*' "$OUT/details_$tag.txt")"
-    grep -E "Duration|Stall|bank|wavefronts" "$OUT/details_$tag.txt" | sed 's/  */ /g' | head -12 | cut -c1-200
-    head -3 "$OUT/top_$tag.txt" | cut -c1-400
+    { echo "== $row: $(grep -m1 -oE 'attn_bwd_dkdv[A-Za-z0-9_]*' "$OUT/details_$tag.txt")"
+      grep -E "Duration|Stall|bank|wavefronts" "$OUT/details_$tag.txt" | sed 's/  */ /g' | head -12 | cut -c1-200
+      python ncu_source_top.py "/tmp/sass_$tag.csv" --listing "${LISTING_MIN:-300}" | tail -n +3
+      python ncu_source_top.py "/tmp/sass_$tag.csv" | tail -n +3; } >> "$OUT/summary.txt" 2>&1
 done
+grep -A12 "^== " "$OUT/summary.txt" | cut -c1-200
+# the device returns at most 8 files: everything but the summary goes back as one archive
+( cd "$OUT" && tar -czf raw.tar.gz --remove-files $(ls | grep -vE '^(summary.txt|raw.tar.gz)$') )

@@ -2,7 +2,8 @@
 # On the GPU machine, FA4 staged (../shared/tools/fa4/): where our training step's backward loses to
 # FA4's on the same rows.  For each row: each library's kernels a step (step_kernels.py, torch.profiler),
 # then ncu (--set full) of one launch of each backward's main kernel -- ours the half-dQ dK/dV kernel,
-# FA4's FlashAttentionBackwardSm90 -- and the headline metrics side by side.  Results under $OUT.
+# FA4's FlashAttentionBackwardSm90 -- and the headline metrics side by side, and each kernel's
+# per-instruction stall listing (listing.txt).  Results under $OUT (listing.txt, raw.tar.gz).
 #
 #     NCU_N=2 bash benchmarks/profile/ncu_vs_fa4.sh "D128 S4096 causal" "D64 S4096" "D64 S1024"
 # (every row's kernels a step; ncu on the first NCU_N rows, default all)
@@ -33,10 +34,14 @@ for row in "${@:1:${NCU_N:-$#}}"; do
         ncu --import "$OUT/${impl}_$tag.ncu-rep" --page raw --csv > "$OUT/raw_${impl}_$tag.csv" 2>&1
         # per-instruction counters (stalls, bank conflicts, local traffic) of the SASS, for the lines that cost
         ncu --import "$OUT/${impl}_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_${impl}_$tag.csv" 2>&1
+        # the loop in address order, where each kernel's warps wait (ncu_source_top.py --listing)
+        { echo "== $row $impl"; python ncu_source_top.py "$OUT/sass_${impl}_$tag.csv" --listing "${LISTING_MIN:-300}" | tail -n +3
+          python ncu_source_top.py "$OUT/sass_${impl}_$tag.csv" --top 15 | tail -n +3; } >> "$OUT/listing.txt" 2>&1
+        rm -f "$OUT/${impl}_$tag.ncu-rep"
         echo "== $row $impl: $(grep -m1 -oE '(attn_bwd_dkdv[A-Za-z0-9_]*|[A-Za-z0-9_]*BackwardSm90[A-Za-z0-9_]{0,20})' "$OUT/details_${impl}_$tag.txt")"
         grep -E "$METRICS" "$OUT/details_${impl}_$tag.txt" | sed 's/  */ /g' | head -14
         grep -E "Stall|stall" "$OUT/details_${impl}_$tag.txt" | head -4 | cut -c1-200
     done
 done
-# the device tool brings back a limited number of files: the text results in one archive, the reports beside it
-( cd "$OUT" && tar -czf ncu_vs_fa4_text.tar.gz --remove-files ./*.txt ./*.csv ./*.json ./*.log 2>/dev/null; ls -la )
+# the device returns at most 8 files: everything but the summaries goes back as one archive
+( cd "$OUT" && tar -czf raw.tar.gz --remove-files $(ls | grep -vE '^(listing.txt|raw.tar.gz)$') )
