@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the CPU machine, in the checkout: build the trees the device call (device_ab.sh) compares,
 # under .ab/ (gitignored; carry it): main's package (base), main + every pending patch in order
-# (new), and the fully patched tree for its GPU tests (new_tree).
+# (new; and p1, p2, ...: main + the first k patches), and the fully patched tree for its GPU
+# tests (new_tree).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 rm -rf .ab && mkdir -p .ab/base .ab/new .ab/new_tree
@@ -9,7 +10,14 @@ work=$(mktemp -d)
 git worktree add -q --detach "$work" HEAD
 trap 'git worktree remove --force "$work"' EXIT
 git -C "$work" archive HEAD flashforge | tar -x -C .ab/base
-git -C "$work" am -q "$PWD"/benchmarks/pending/0*.patch
+# each patch's cumulative tree too (.ab/p1 = main + the first, .ab/p2 = + the second, ...), so
+# one call can time them apart: AB_TREES="base p1 p2"
+i=0
+for patch in "$PWD"/benchmarks/pending/0*.patch; do
+    i=$((i + 1))
+    git -C "$work" am -q "$patch"
+    mkdir -p ".ab/p$i" && git -C "$work" archive HEAD flashforge | tar -x -C ".ab/p$i"
+done
 git -C "$work" archive HEAD flashforge | tar -x -C .ab/new
 git -C "$work" archive HEAD | tar -x -C .ab/new_tree
 rm -rf .ab/new_tree/benchmarks/results
