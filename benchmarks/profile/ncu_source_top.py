@@ -46,16 +46,18 @@ def main() -> None:
                 return i
         return None
 
+    def exact(name):
+        return next((i for i, h in enumerate(head) if h.strip().lower() == name), None)
+
     src = col("source")
     addr = col("address")
     want = {
         "stall(all)": col("warp stall sampling", "all"),
         "stall(not issued)": col("warp stall sampling", "not"),
         "smem excess": col("wavefronts shared excessive"),
-        "smem wavefronts": col("l1 wavefronts shared") if col("l1 wavefronts shared", "ideal") != col(
-            "l1 wavefronts shared") else None,
+        "smem wavefronts": exact("l1 wavefronts shared"),  # (by substring it would be the excess column)
         "smem ideal": col("wavefronts shared ideal"),
-        "executed": col("instructions executed"),
+        "executed": exact("instructions executed"),
     }
     want = {k: v for k, v in want.items() if v is not None}
     print("using:", {k: head[v] for k, v in want.items()})
