@@ -16,13 +16,12 @@ for row in "$@"; do
         --section SourceCounters --section WarpStateStats --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables \
         -o "$OUT/rep_$tag" python step_kernels.py --plain 2 "$row" > "$OUT/ncu_$tag.log" 2>&1
     ncu --import "$OUT/rep_$tag.ncu-rep" --page details > "$OUT/details_$tag.txt" 2>&1
-    ncu --import "$OUT/rep_$tag.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$tag.csv" 2>&1
-    cp "/tmp/sass_$tag.csv" "$OUT/sass_$tag.csv"
+    ncu --import "$OUT/rep_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_$tag.csv" 2>&1
     rm -f "$OUT/rep_$tag.ncu-rep"
     { echo "== $row: $(grep -m1 -oE 'attn_bwd_dkdv[A-Za-z0-9_]*' "$OUT/details_$tag.txt")"
       grep -E "Duration|Stall|bank|wavefronts" "$OUT/details_$tag.txt" | sed 's/  */ /g' | head -12 | cut -c1-200
-      python ncu_source_top.py "/tmp/sass_$tag.csv" --listing "${LISTING_MIN:-300}" | tail -n +3
-      python ncu_source_top.py "/tmp/sass_$tag.csv" | tail -n +3; } >> "$OUT/summary.txt" 2>&1
+      python ncu_source_top.py "$OUT/sass_$tag.csv" --listing "${LISTING_MIN:-300}" | tail -n +3
+      python ncu_source_top.py "$OUT/sass_$tag.csv" | tail -n +3; } >> "$OUT/summary.txt" 2>&1
 done
 grep -A12 "^== " "$OUT/summary.txt" | cut -c1-200
 # the device returns at most 8 files: everything but the summary goes back as one archive

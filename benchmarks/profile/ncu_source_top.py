@@ -62,7 +62,7 @@ def main() -> None:
     want = {k: v for k, v in want.items() if v is not None}
     print("using:", {k: head[v] for k, v in want.items()})
     if args.listing is not None and addr is not None and "stall(all)" in want:
-        _listing(head, body, addr, src, want["stall(all)"], args.listing)
+        _listing(head, body, addr, src, want["stall(all)"], want.get("executed"), args.listing)
         return
     total = {k: sum(_num(r[v]) for r in body if len(r) > v) for k, v in want.items()}
     print("totals:", {k: f"{v:.4g}" for k, v in total.items()})
@@ -77,10 +77,9 @@ def main() -> None:
             print(f"{r[addr] if addr is not None else '':>8} {vals}  {r[src][:90] if src is not None else ''}")
 
 
-def _listing(head, body, addr, src, stall, least):
+def _listing(head, body, addr, src, stall, executed, least):
     """Offsets from the kernel's first instruction, so a loop's stalls read in program order."""
     reasons = [i for i, h in enumerate(head) if h.startswith("stall_") and "Not Issued" not in h]
-    executed = next((i for i, h in enumerate(head) if h == "Instructions Executed"), None)
     base = int(body[0][addr], 16)
     total = sum(_num(r[stall]) for r in body) or 1.0
     for r in body:

@@ -193,8 +193,9 @@ def _dq_out(dq, c, t, n_mt, mt_lo, hk, group, b, q_start, Sq, dq_desc, dq_smem, 
     """FUSED_DQ: columns [c * DQ_N, (c + 1) * DQ_N) of tile t's dQ_t = dS K (unscaled: the caller
     scales the sum once, `triton.attention.dq_from_acc`), through shared-memory buffer c into the
     float32 dQ accumulator of its head's rows by the copy engine's reduce-add (bulk, asynchronous;
-    the order of the programs' adds varies, so deterministic=True never takes this path).  Rows past the sequence's end are not touched.
-    The caller waits (`tma.store_wait`) until the buffer's previous reduce has read it."""
+    the order of the programs' adds varies, so deterministic=True never takes this path).  Rows
+    past the sequence's end are not touched.  The caller waits (`tma.store_wait`) until the
+    buffer's previous reduce has read it."""
     g = t // n_mt
     m0 = (mt_lo + t - g * n_mt) * BLOCK_M
     h = hk * group + g
